@@ -1,0 +1,166 @@
+"""Execution of redistribution plans on local tensors.
+
+:func:`run_plan` applies the steps of :func:`physicsnemo_dp._plan.plan` to this
+rank's local tensor. Each step reads the sizes of its group members from the
+layouts recorded in the step, so nothing is exchanged but payload.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from . import _layout, collectives
+from ._plan import Layout, Step, default_dst_sizes, plan
+from .split import offsets_from_sizes
+
+
+def _sizes(layout: Layout, mesh: DeviceMesh, coord, mesh_dim: int, tensor_dim: int):
+    return _layout.group_sizes(
+        tuple(mesh.shape), layout.placements, layout.dim_sizes, coord, mesh_dim, tensor_dim
+    )
+
+
+def _fill_value(reduce_op: str, dtype: torch.dtype):
+    """Identity element of a reduction (what absent contributions hold)."""
+    if reduce_op in ("sum", "avg"):
+        return 0
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    if reduce_op == "max":
+        return -float("inf") if dtype.is_floating_point else info.min
+    return float("inf") if dtype.is_floating_point else info.max
+
+
+def _pad(local, step: Step, mesh, coord):
+    d, m = step.tensor_dim, step.mesh_dim
+    sizes = _sizes(step.before, mesh, coord, m, d)
+    me = coord[m]
+    reduce_op = step.after.placements[m].reduce_op
+    shape = list(local.shape)
+    shape[d] = sum(sizes)
+    out = local.new_full(shape, _fill_value(reduce_op, local.dtype))
+    block = local * mesh.size(m) if reduce_op == "avg" else local
+    out.narrow(d, offsets_from_sizes(sizes)[me], sizes[me]).copy_(block)
+    return out
+
+
+def _exchange(local, src_sizes, dst_sizes, src_dim, dst_dim, mesh, m, me):
+    """One all-to-all that moves blocks between ranks of ``mesh_dim``.
+
+    Block ``(i -> j)`` is the part of rank i's shard (along ``src_dim``) that
+    rank j owns in the target (along ``dst_dim``). For ``src_dim == dst_dim``
+    (rebalancing) it is the overlap of the two intervals.
+    """
+    group = mesh.size(m)
+    src_off, dst_off = offsets_from_sizes(src_sizes), offsets_from_sizes(dst_sizes)
+
+    def block(i, j):
+        """(start within i's shard along dst_dim or src_dim, extent) of block i -> j."""
+        if src_dim == dst_dim:
+            lo = max(src_off[i], dst_off[j])
+            hi = min(src_off[i] + src_sizes[i], dst_off[j] + dst_sizes[j])
+            return (lo - src_off[i], hi - lo) if hi > lo else (0, 0)
+        return dst_off[j], dst_sizes[j]
+
+    def block_shape(i, j):
+        shape = list(local.shape)
+        start, extent = block(i, j)
+        if src_dim == dst_dim:
+            shape[src_dim] = extent
+        else:
+            shape[src_dim] = src_sizes[i]
+            shape[dst_dim] = extent
+        return shape
+
+    sends = [local.narrow(dst_dim, *block(me, j)).reshape(-1) for j in range(group)]
+    send = torch.cat(sends)
+    in_splits = [t.numel() for t in sends]
+    out_shapes = [block_shape(i, me) for i in range(group)]
+    out_splits = [int(torch.Size(s).numel()) for s in out_shapes]
+    received = collectives.all_to_all_v(send, in_splits, out_splits, mesh, m)
+    pieces = [p.reshape(s) for p, s in zip(received.split(out_splits), out_shapes)]
+    return torch.cat(pieces, dim=src_dim)
+
+
+def _run_step(local: torch.Tensor, step: Step, mesh: DeviceMesh, coord) -> torch.Tensor:
+    m, d = step.mesh_dim, step.tensor_dim
+    me = coord[m]
+    if step.kind == "gather":
+        return collectives.all_gather_v(local, _sizes(step.before, mesh, coord, m, d), d, mesh, m)
+    if step.kind == "pad":
+        return _pad(local, step, mesh, coord)
+    if step.kind in ("all_to_all", "rebalance"):
+        a = step.src_dim
+        return _exchange(
+            local,
+            _sizes(step.before, mesh, coord, m, a),
+            _sizes(step.after, mesh, coord, m, d),
+            a,
+            d,
+            mesh,
+            m,
+            me,
+        )
+    if step.kind == "all_reduce":
+        return collectives.all_reduce(local, step.before.placements[m].reduce_op, mesh, m)
+    if step.kind == "reduce_scatter":
+        return collectives.reduce_scatter_v(
+            local,
+            _sizes(step.after, mesh, coord, m, d),
+            d,
+            step.before.placements[m].reduce_op,
+            mesh,
+            m,
+        )
+    if step.kind == "slice":
+        sizes = _sizes(step.after, mesh, coord, m, d)
+        return local.narrow(d, offsets_from_sizes(sizes)[me], sizes[me]).contiguous()
+    if step.kind == "partition":
+        op = step.after.placements[m].reduce_op
+        return local if op != "sum" or me == 0 else torch.zeros_like(local)
+    raise AssertionError(f"unknown step {step.kind}")
+
+
+def run_plan(local: torch.Tensor, steps: Sequence[Step], mesh: DeviceMesh) -> torch.Tensor:
+    """Apply ``steps`` to this rank's local tensor."""
+    coord = tuple(mesh.get_coordinate())
+    for step in steps:
+        local = _run_step(local, step, mesh, coord)
+    return local
+
+
+def layout_of(spec) -> Layout:
+    return Layout(tuple(spec.placements), tuple(spec.dim_sizes))
+
+
+def target_layout(spec, placements, dim_sizes=None) -> Layout:
+    """Target layout: explicit ``dim_sizes`` or the defaults of :func:`default_dst_sizes`."""
+    placements = _layout.normalize_placements(placements, spec.mesh.ndim, len(spec.global_shape))
+    if dim_sizes is None:
+        dim_sizes = default_dst_sizes(layout_of(spec), placements, spec.global_shape, spec.mesh_shape)
+    return Layout(placements, tuple(dim_sizes))
+
+
+def redistribute_local(local: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
+    """Move ``local`` (laid out as ``src_spec``) to the layout of ``dst_spec``."""
+    if src_spec.mesh != dst_spec.mesh:
+        raise ValueError(
+            "cannot redistribute across device meshes "
+            f"({tuple(src_spec.mesh.shape)} -> {tuple(dst_spec.mesh.shape)}); "
+            "redistribute on the source mesh, then move data explicitly"
+        )
+    steps = plan(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
+    return run_plan(local, steps, src_spec.mesh)
+
+
+def grad_layout(spec):
+    """Layout a gradient takes for a tensor of layout ``spec``.
+
+    Placements stay, except Partial becomes Replicate: the gradient of a pending
+    sum is the same for every contribution, so it is fully reduced data.
+    """
+    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    return spec.with_layout(placements, spec.dim_sizes)

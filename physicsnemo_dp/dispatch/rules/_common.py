@@ -1,0 +1,58 @@
+"""Helpers shared by the sharding rules."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from ..._redistribute import redistribute_local
+
+
+def shard_tensor_cls():
+    from ...shard_tensor import ShardTensor
+
+    return ShardTensor
+
+
+def wrap(local: torch.Tensor, spec):
+    """A ShardTensor around ``local`` with ``spec`` (dtype taken from ``local``)."""
+    ShardTensor = shard_tensor_cls()
+    if spec.tensor_meta.dtype != local.dtype:
+        spec = type(spec).from_sizes(spec.mesh, spec.placements, spec.global_shape, local.dtype, spec.dim_sizes)
+    return ShardTensor(local, spec, requires_grad=False)
+
+
+def to_layout(x, spec) -> torch.Tensor:
+    """Local tensor of ShardTensor ``x`` in the layout (placements and sizes) of ``spec``."""
+    if x._spec.placements == spec.placements and x._spec.dim_sizes == spec.dim_sizes:
+        return x._local_tensor
+    return redistribute_local(x._local_tensor, x._spec, spec)
+
+
+def resolve_partial(x, mesh_dims=None):
+    """Local tensor and spec of ``x`` with pending reductions on ``mesh_dims`` done (all if None)."""
+    placements = tuple(
+        Replicate() if isinstance(p, Partial) and (mesh_dims is None or m in mesh_dims) else p
+        for m, p in enumerate(x._spec.placements)
+    )
+    if placements == x._spec.placements:
+        return x._local_tensor, x._spec
+    spec = x._spec.with_layout(placements, x._spec.dim_sizes)
+    return redistribute_local(x._local_tensor, x._spec, spec), spec
+
+
+def replicated_to_box(t: torch.Tensor, spec) -> torch.Tensor:
+    """Slice a tensor that every rank holds in full down to this rank's box of ``spec``.
+
+    ``t`` may have fewer dims than the spec (broadcasting aligns trailing dims)
+    and extent 1 along dims it broadcasts; those are left alone.
+    """
+    offset = len(spec.global_shape) - t.ndim
+    offsets = spec.local_offsets()
+    local_shape = spec.local_shape
+    for d, table in enumerate(spec.dim_sizes):
+        td = d - offset
+        if table is None or td < 0 or t.shape[td] == 1:
+            continue
+        t = t.narrow(td, offsets[d], local_shape[d])
+    return t

@@ -1,0 +1,145 @@
+"""Elementwise ops with broadcasting, on any mix of layouts.
+
+The output takes the layout (placements and shard sizes) of the first
+ShardTensor operand that has the output's full shape — for in-place ops, of
+``self``. Every other operand is brought to that layout: same-shape
+ShardTensors are redistributed, broadcasting ones and plain tensors are
+replicated and sliced to the local box (no communication when they already are
+replicated, which is the usual case: a bias, a scale, a mask).
+
+Pending reductions (``Partial``) survive only where the op is linear in them:
+``a + b`` and ``a - b`` with both pending, ``a * r`` and ``a / r`` with one
+pending and the rest not, ``-a``. Anything else reduces first, so ``Partial``
+keeps meaning "sum the contributions to get the value".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.utils import _pytree as pytree
+
+from ._common import replicated_to_box, resolve_partial, shard_tensor_cls, to_layout, wrap
+
+_ADDITIVE = {"add", "add_", "sub", "sub_"}
+_SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_"}
+
+
+def _keeps_partial(func, operands, m: int, reduce_op: str) -> bool:
+    """Whether the op commutes with the pending reduction on mesh dim ``m``."""
+    if reduce_op not in ("sum", "avg"):
+        return False
+    name = func.overloadpacket.__name__
+    ShardTensor = shard_tensor_cls()
+
+    def pending(x):
+        return isinstance(x, ShardTensor) and x._spec.placements[m] == Partial(reduce_op)
+
+    if name in _ADDITIVE:
+        return all(pending(x) for x in operands)
+    if name in _SCALING:
+        flags = [pending(x) for x in operands]
+        if name.startswith("div"):
+            return flags[0] and not any(flags[1:])
+        return sum(flags) == 1
+    return False
+
+
+def _output_spec(func, ref, operands):
+    placements = []
+    for m, p in enumerate(ref._spec.placements):
+        if isinstance(p, Partial) and _keeps_partial(func, operands, m, p.reduce_op):
+            placements.append(p)
+        elif isinstance(p, Partial):
+            placements.append(Replicate())
+        else:
+            placements.append(p)
+    placements = tuple(placements)
+    if placements == ref._spec.placements:
+        return ref._spec
+    return ref._spec.with_layout(placements, ref._spec.dim_sizes)
+
+
+def _operand_target(x, out_spec):
+    """Layout operand ``x`` must have: the output's, keeping its own pending sums where the output pends."""
+    placements = []
+    for m, p in enumerate(out_spec.placements):
+        mine = x._spec.placements[m]
+        if isinstance(p, Partial):
+            placements.append(p if mine == p else Replicate())
+        else:
+            placements.append(p)
+    return out_spec.with_layout(tuple(placements), out_spec.dim_sizes)
+
+
+def _replicated_local(x, out_spec):
+    """Local tensor of a broadcasting ShardTensor operand, replicated except kept pending sums."""
+    keep = tuple(
+        p if isinstance(p, Partial) and x._spec.placements[m] == p else Replicate()
+        for m, p in enumerate(out_spec.placements)
+    )
+    if keep == x._spec.placements:
+        return x._local_tensor
+    spec = x._spec.with_layout(keep, (None,) * len(x._spec.global_shape))
+    return to_layout(x, spec)
+
+
+def pointwise_rule(func, args, kwargs):
+    ShardTensor = shard_tensor_cls()
+    flat, tree = pytree.tree_flatten((args, kwargs))
+    shards = [x for x in flat if isinstance(x, ShardTensor)]
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    out_shape = torch.broadcast_shapes(*(tuple(t.shape) for t in tensors))
+    in_place = func._schema.is_mutable and isinstance(args[0], ShardTensor)
+
+    if in_place:
+        ref = args[0]
+        if tuple(ref.shape) != tuple(out_shape):
+            raise RuntimeError(f"{func}: in-place output of shape {tuple(ref.shape)} cannot broadcast to {tuple(out_shape)}")
+    else:
+        full = [x for x in shards if tuple(x.shape) == tuple(out_shape)]
+        ref = next((x for x in full if any(p.is_shard() for p in x._spec.placements)), full[0] if full else None)
+    if ref is None:  # every ShardTensor broadcasts: compute on replicated data
+        spec = shards[0]._spec
+        out_spec = type(spec).chunked(
+            spec.mesh, (Replicate(),) * spec.mesh.ndim, out_shape, spec.tensor_meta.dtype
+        )
+        local_args = [_replicated_local(x, out_spec) if isinstance(x, ShardTensor) else x for x in flat]
+        largs, lkwargs = _rebuild(local_args, tree)
+        return _wrap_result(func(*largs, **lkwargs), out_spec)
+
+    operands = [x for x in flat if isinstance(x, torch.Tensor) or isinstance(x, (int, float, complex, bool))]
+    out_spec = _output_spec(func, ref, operands)
+    if in_place and out_spec != ref._spec:
+        ref._local_tensor, ref._spec = resolve_partial(ref)
+    local_args = []
+    for x in flat:
+        if isinstance(x, ShardTensor):
+            if x is ref:
+                local_args.append(x._local_tensor)
+            elif tuple(x.shape) == tuple(out_shape):
+                local_args.append(to_layout(x, _operand_target(x, out_spec)))
+            else:
+                local_args.append(replicated_to_box(_replicated_local(x, out_spec), out_spec))
+        elif isinstance(x, torch.Tensor) and x.ndim > 0:
+            local_args.append(replicated_to_box(x, out_spec))
+        else:
+            local_args.append(x)
+    largs, lkwargs = _rebuild(local_args, tree)
+    result = func(*largs, **lkwargs)
+    if in_place:
+        return ref
+    return _wrap_result(result, out_spec)
+
+
+def _rebuild(flat, tree):
+    return pytree.tree_unflatten(flat, tree)
+
+
+def _wrap_result(result, spec):
+    if isinstance(result, (tuple, list)):
+        return type(result)(wrap(r, spec) for r in result)
+    return wrap(result, spec)
+
+
+RULES: dict = {}

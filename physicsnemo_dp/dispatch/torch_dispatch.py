@@ -1,0 +1,39 @@
+"""The ``__torch_dispatch__`` layer: registered handlers, then per-family rules.
+
+Runs below autograd on ATen ops. Order:
+
+1. a dispatch handler registered for the ``OpOverload`` (or its custom-op name);
+2. the rule of the op's family (see :mod:`physicsnemo_dp.dispatch.rules`);
+3. otherwise a ``NotImplementedError`` that names the op and the way out.
+
+Rules compute the output layout (placements *and* every shard's size) from
+the inputs' specs; where an op needs data from other ranks they redistribute
+explicitly. No rule guesses sizes from chunking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import rules
+from .registry import dispatch_handlers, named_function_handlers
+
+__all__ = ["handle_torch_dispatch"]
+
+
+def handle_torch_dispatch(func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    handler = dispatch_handlers.get(func)
+    if handler is None and isinstance(func, torch._ops.OpOverload):
+        handler = named_function_handlers.get(str(func))
+    if handler is not None:
+        return handler(func, types, args, kwargs)
+    rule = rules.lookup(func)
+    if rule is None:
+        raise NotImplementedError(
+            f"ShardTensor has no rule for {func}. Either gather first "
+            "(x.full_tensor() or x.redistribute(placements=[Replicate()])) and run it on "
+            "plain tensors, or register an implementation with "
+            "ShardTensor.register_dispatch_handler(op, handler)."
+        )
+    return rule(func, args, kwargs)

@@ -1,0 +1,145 @@
+"""The ``__torch_function__`` layer: function handlers and automatic promotion.
+
+This layer runs *above* autograd, which is why promotion lives here: turning
+a plain weight into a Replicate ShardTensor through a differentiable step is
+what lets its gradient be summed over the mesh and handed back as a plain
+gradient (so DDP, FSDP2 and optimizers see ordinary parameters).
+
+Order for every call that involves a ShardTensor:
+
+1. a function handler registered for ``func`` (or its custom-op name);
+2. otherwise, if plain non-scalar tensors or DTensors are mixed in, promote
+   them and call ``func`` again with subclass torch-function disabled, which
+   sends it to ``__torch_dispatch__``;
+3. otherwise call ``func`` directly (same as 2 without promotion).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import promotion
+from .._torch_compat import torch_function_disabled
+from .registry import function_handlers, named_function_handlers
+
+__all__ = ["handle_torch_function", "promote_args"]
+
+_PATCHES = {"enabled": False}
+
+
+def set_patches_enabled(enabled: bool) -> None:
+    """Turn function-level handlers on or off (dispatch-level handlers are unaffected)."""
+    _PATCHES["enabled"] = bool(enabled)
+
+
+def patches_enabled() -> bool:
+    """Whether function-level handlers are consulted (on once a ShardTensor exists)."""
+    return _PATCHES["enabled"]
+
+
+def _shard_tensor_cls():
+    from ..shard_tensor import ShardTensor
+
+    return ShardTensor
+
+
+def _is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def _needs_promotion(x, ShardTensor) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, ShardTensor) and (x.ndim > 0 or _is_dtensor(x))
+
+
+class Promote(torch.autograd.Function):
+    """Plain tensor -> Replicate ShardTensor; gradient summed over the mesh."""
+
+    @staticmethod
+    def forward(plain, mesh):
+        ShardTensor = _shard_tensor_cls()
+        from ..spec import ShardTensorSpec
+        from torch.distributed.tensor.placement_types import Replicate
+
+        spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, plain.shape, plain.dtype)
+        return ShardTensor(plain.detach(), spec, requires_grad=False)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = output._spec
+
+    @staticmethod
+    def backward(ctx, grad):
+        ShardTensor = _shard_tensor_cls()
+        if not isinstance(grad, ShardTensor):
+            return grad, None
+        from .._redistribute import redistribute_local
+
+        return redistribute_local(grad._local_tensor, grad._spec, ctx.spec), None
+
+
+def promote_args(func, args, kwargs):
+    """Promote plain non-scalar tensors and DTensors among ``args``/``kwargs``.
+
+    Honours the promotion mode; raises ``TypeError`` in DISABLED mode and when
+    ShardTensors on different meshes meet.
+    """
+    ShardTensor = _shard_tensor_cls()
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    meshes = {id(x.device_mesh): x.device_mesh for x in flat if isinstance(x, ShardTensor)}
+    if len(meshes) > 1:
+        raise TypeError(
+            f"{_name(func)}: ShardTensor arguments live on different device meshes; "
+            "redistribute them onto one mesh first"
+        )
+    if not meshes or not any(_needs_promotion(x, ShardTensor) for x in flat):
+        return args, kwargs
+    mesh = next(iter(meshes.values()))
+    mode = promotion.get_promotion_mode()
+    out = []
+    for x in flat:
+        if not _needs_promotion(x, ShardTensor):
+            out.append(x)
+        elif _is_dtensor(x):
+            out.append(ShardTensor.from_dtensor(x))
+        elif mode is promotion.TensorPromotionMode.DISABLED:
+            raise TypeError(
+                f"{_name(func)}: a plain tensor of shape {tuple(x.shape)} meets a ShardTensor "
+                "while promotion is DISABLED; make it distributed first (scatter_tensor, "
+                "ShardTensor.from_local(..., placements=[Replicate()])) or enable promotion "
+                "with set_promotion_mode('silent')"
+            )
+        else:
+            if mode is promotion.TensorPromotionMode.WARN:
+                warnings.warn(
+                    f"{_name(func)}: promoting a plain tensor of shape {tuple(x.shape)} to "
+                    "Replicate on the ShardTensor's mesh",
+                    stacklevel=4,
+                )
+            out.append(Promote.apply(x, mesh))
+    return pytree.tree_unflatten(out, spec)
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+def _lookup(func):
+    handler = function_handlers.get(func)
+    if handler is None and isinstance(func, torch._ops.OpOverload):
+        handler = named_function_handlers.get(str(func))
+    return handler
+
+
+def handle_torch_function(func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    handler = _lookup(func) if patches_enabled() else None
+    args, kwargs = promote_args(func, args, kwargs)
+    if handler is not None:
+        return handler(func, types, args, kwargs)
+    with torch_function_disabled():
+        return func(*args, **kwargs)

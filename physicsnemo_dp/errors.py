@@ -1,0 +1,15 @@
+"""Exceptions physicsnemo_dp raises for requests it cannot honour."""
+
+from __future__ import annotations
+
+__all__ = ["PlacementError"]
+
+
+class PlacementError(ValueError, RuntimeError):
+    """A placement, mesh or shard-size request that cannot be honoured.
+
+    It is both a ``ValueError`` (bad argument) and a ``RuntimeError`` (what
+    DTensor raises for the same mistakes), so either ``except`` clause works.
+    The checks read only metadata that every rank shares, so every rank raises
+    the same error instead of some ranks waiting in a collective.
+    """

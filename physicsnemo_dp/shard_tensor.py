@@ -1,0 +1,384 @@
+"""``ShardTensor``: a distributed tensor whose shards may have any sizes.
+
+The class is deliberately thin. It holds a local tensor and a
+:class:`~physicsnemo_dp.spec.ShardTensorSpec`, converts to and from plain
+tensors and DTensors, and hands every op to the dispatch layers in
+:mod:`physicsnemo_dp.dispatch`. Layout arithmetic lives in ``_layout``,
+communication in ``collectives``, redistribution in ``_plan`` /
+``_redistribute`` and differentiable conversions in ``_conversion``.
+
+Autograd tracks the wrapper (whose shape is the *global* shape); the local
+tensor never requires grad, so gradients of ShardTensors are ShardTensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from . import _layout, collectives, promotion
+from ._conversion import FromLocal, Redistribute, ToLocal
+from ._redistribute import grad_layout, target_layout
+from ._torch_compat import current_mesh, make_wrapper_subclass, torch_function_disabled
+from .dispatch import registry
+from .dispatch.torch_dispatch import handle_torch_dispatch
+from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
+from .errors import PlacementError
+from .spec import ShardTensorSpec
+
+__all__ = ["ShardTensor"]
+
+_TensorBase = torch._C.TensorBase
+
+#: dtypes by code, to compare dtypes across ranks with an int collective.
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.bool,
+)  # fmt: skip
+_MAX_NDIM = 16
+
+
+class ShardTensor(torch.Tensor):
+    """A tensor split over a device mesh with per-rank shard sizes of your choosing.
+
+    Construct with :meth:`from_local`, :meth:`from_dtensor` or
+    :func:`physicsnemo_dp.scatter_tensor`; never call the constructor with
+    arbitrary specs. ``shape`` is the global shape; :meth:`to_local` gives this
+    rank's piece.
+    """
+
+    _local_tensor: torch.Tensor
+    _spec: ShardTensorSpec
+    __slots__ = ["_local_tensor", "_spec"]
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool):
+        if local_tensor.requires_grad and not requires_grad:
+            local_tensor = local_tensor.detach()
+        out = make_wrapper_subclass(
+            cls,
+            spec.global_shape,
+            stride=spec.tensor_meta.stride,
+            dtype=local_tensor.dtype,
+            device=local_tensor.device,
+            requires_grad=requires_grad,
+        )
+        out._local_tensor = local_tensor
+        out._spec = spec
+        if not patches_enabled():
+            set_patches_enabled(True)
+        return out
+
+    # ------------------------------------------------------------ protocol
+    def __repr__(self) -> str:
+        grad = f", grad_fn={self.grad_fn.name()}" if self.grad_fn is not None else ""
+        grad += ", requires_grad=True" if self.requires_grad and not grad else ""
+        return f"ShardTensor(local={self._local_tensor}, spec={self._spec}{grad})"
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        spec, requires_grad = meta
+        return ShardTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return handle_torch_function(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return handle_torch_dispatch(func, types, args, kwargs)
+
+    # ------------------------------------------------------- construction
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        sharding_shapes="infer",
+        global_shape: Sequence[int] | None = None,
+    ) -> "ShardTensor":
+        """Wrap each rank's local piece into one ShardTensor (differentiable).
+
+        ``sharding_shapes`` says how every rank learns the other shards' sizes:
+
+        * ``"infer"`` (default): one small all-gather of shapes and dtypes over
+          the mesh. Mismatched ranks, dtypes or shapes raise the same
+          ``PlacementError`` on every rank.
+        * ``"chunk"``: sizes follow the split rule of ``global_shape`` (required);
+          no communication, so a rank whose local shape disagrees raises alone.
+        * a dict ``{mesh_dim: [local shape of each rank along that mesh dim]}``,
+          identical on every rank; no communication.
+
+        ``global_shape``, when given with ``"infer"`` or a dict, is checked.
+        """
+        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, ShardTensor):
+            raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}")
+        mesh = device_mesh if device_mesh is not None else current_mesh()
+        if mesh is None:
+            raise PlacementError("from_local needs device_mesh= (or an active `with mesh:` block)")
+        placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
+        if isinstance(sharding_shapes, str) and sharding_shapes == "infer":
+            # Gather first, validate after: every rank then checks the same facts.
+            shapes = _gather_local_metadata(local_tensor, mesh)
+            placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+            dim_sizes = _layout.dim_sizes_from_local_shapes(shapes, tuple(mesh.shape), placements)
+        else:
+            _check_device(local_tensor, mesh)
+            placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+            if isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
+                if global_shape is None:
+                    raise PlacementError('sharding_shapes="chunk" needs global_shape=')
+                dim_sizes = _layout.chunk_dim_sizes(tuple(global_shape), tuple(mesh.shape), placements)
+            elif isinstance(sharding_shapes, dict):
+                dim_sizes = _dim_sizes_from_dict(sharding_shapes, local_tensor, mesh, placements)
+            else:
+                raise PlacementError(
+                    f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}'
+                )
+        derived = _layout.global_shape_of(local_tensor.shape, placements, dim_sizes)
+        if global_shape is not None and tuple(global_shape) != derived:
+            raise PlacementError(
+                f"global_shape={tuple(global_shape)} does not match the shards, which make {derived}"
+            )
+        spec = ShardTensorSpec.from_sizes(mesh, placements, derived, local_tensor.dtype, dim_sizes)
+        if tuple(local_tensor.shape) != tuple(spec.local_shape):
+            raise PlacementError(
+                f"rank {torch.distributed.get_rank()}: local tensor has shape "
+                f"{tuple(local_tensor.shape)} but the layout gives it {tuple(spec.local_shape)}"
+            )
+        return FromLocal.apply(local_tensor, spec)
+
+    @classmethod
+    def from_dtensor(cls, dtensor) -> "ShardTensor":
+        """The same data as a ShardTensor (differentiable, no communication)."""
+        spec = ShardTensorSpec.chunked(
+            dtensor.device_mesh, dtensor.placements, tuple(dtensor.shape), dtensor.dtype
+        )
+        return FromLocal.apply(dtensor.to_local(), spec)
+
+    # --------------------------------------------------------- conversion
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's local tensor (differentiable). Partial data stays unreduced.
+
+        ``grad_placements`` declares the layout of the gradient that will
+        flow back into the returned tensor (default: this tensor's layout with
+        Partial read as Replicate). ``Partial`` there means each rank's local
+        gradient is an additive contribution.
+        """
+        if grad_placements is None:
+            grad_spec = grad_layout(self._spec)
+        else:
+            grad_spec = self._spec.with_layout(
+                _layout.normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim),
+                self._spec.dim_sizes,
+            )
+        if not torch.is_grad_enabled() or not self.requires_grad:
+            return self._local_tensor
+        return ToLocal.apply(self, grad_spec)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole tensor on every rank (all pending reductions done)."""
+        replicated = self.redistribute(placements=(Replicate(),) * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> "ShardTensor":
+        """The same data in another layout (differentiable).
+
+        Dims whose sharding is unchanged keep their shard sizes; newly sharded
+        dims split with the one split rule. Communication is the minimum the
+        transition needs (see ``physicsnemo_dp._plan``). ``async_op`` is
+        accepted for DTensor compatibility; collectives complete before return.
+        """
+        if device_mesh is not None and device_mesh != self._spec.mesh:
+            raise PlacementError(
+                "redistribute cannot move a ShardTensor to a different device mesh; "
+                "gather it (full_tensor) and scatter it on the new mesh instead"
+            )
+        if placements is None:
+            raise PlacementError("redistribute needs placements=")
+        layout = target_layout(self._spec, placements)
+        dst = self._spec.with_layout(layout.placements, layout.dim_sizes)
+        if dst == self._spec:
+            return self
+        return Redistribute.apply(self, dst)
+
+    # ---------------------------------------------------------- metadata
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    def offsets(self, mesh_dim: int | None = None):
+        """Where this rank's shard starts along each sharded dim (see ``ShardTensorSpec.offsets``)."""
+        return self._spec.offsets(mesh_dim)
+
+    # Reading these through Tensor's C getters under disabled torch-function
+    # keeps them from re-entering __torch_function__ (which torch.compile's
+    # fake-tensor conversion and autograd-graph walkers trip over).
+    @property
+    def grad_fn(self):
+        with torch_function_disabled():
+            return _TensorBase.grad_fn.__get__(self)
+
+    @property
+    def is_leaf(self) -> bool:
+        with torch_function_disabled():
+            return _TensorBase.is_leaf.__get__(self)
+
+    @property
+    def requires_grad(self) -> bool:
+        with torch_function_disabled():
+            return _TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        with torch_function_disabled():
+            _TensorBase.requires_grad.__set__(self, value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "ShardTensor":
+        """Set ``requires_grad`` on the wrapper (the local tensor never tracks grads)."""
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def grad_dtype(self):
+        return self._local_tensor.dtype
+
+    @property
+    def grad(self):
+        """The accumulated gradient as a ShardTensor, or None.
+
+        Gradients produced by autograd are ShardTensors already and keep their
+        own placements. A plain tensor assigned by hand is read as this rank's
+        local gradient in this tensor's layout (Partial read as Replicate).
+        """
+        with torch_function_disabled():
+            g = _TensorBase.grad.__get__(self)
+        if g is None or isinstance(g, ShardTensor):
+            return g
+        return ShardTensor(g, grad_layout(self._spec), requires_grad=False)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        with torch_function_disabled():
+            _TensorBase.grad.__set__(self, value)
+
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """Backpropagate from this tensor, reducing pending Partial data first."""
+        start = self
+        if any(p.is_partial() for p in self._spec.placements):
+            resolved = tuple(Replicate() if p.is_partial() else p for p in self._spec.placements)
+            start = self.redistribute(placements=resolved)
+        torch.autograd.backward(
+            start, gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
+        )
+
+    # ------------------------------------------------------- configuration
+    get_promotion_mode = staticmethod(promotion.get_promotion_mode)
+    set_promotion_mode = staticmethod(promotion.set_promotion_mode)
+    promotion_mode = staticmethod(promotion.promotion_mode)
+    patches_enabled = staticmethod(patches_enabled)
+
+    @staticmethod
+    def register_dispatch_handler(op, handler) -> None:
+        """Use ``handler(func, types, args, kwargs)`` for ATen op ``op`` (below autograd)."""
+        registry.dispatch_handlers.register(op, handler)
+
+    @staticmethod
+    def register_function_handler(func, handler) -> None:
+        """Use ``handler(func, types, args, kwargs)`` for Python function ``func`` (above autograd).
+
+        Plain non-scalar tensor arguments are promoted before the handler runs.
+        """
+        registry.function_handlers.register(func, handler)
+
+    @staticmethod
+    def register_named_function_handler(func_name: str, handler) -> None:
+        """Use ``handler`` for the custom op named ``func_name`` (e.g. ``"mylib.op.default"``)."""
+        registry.named_function_handlers.register(func_name, handler)
+
+
+# --------------------------------------------------------------------------- #
+# from_local helpers
+# --------------------------------------------------------------------------- #
+def _check_device(local: torch.Tensor, mesh: DeviceMesh) -> None:
+    if local.device.type != mesh.device_type:
+        raise PlacementError(
+            f"local_tensor is on {local.device} but the device mesh is of type "
+            f"{mesh.device_type!r}; move the tensor to the mesh's device first"
+        )
+
+
+def _gather_local_metadata(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Every rank's local shape, after checking that ranks, dtypes and devices agree.
+
+    One small all-gather of ints; the checks run on the gathered table, so
+    every rank raises the same ``PlacementError``.
+    """
+    if local.ndim > _MAX_NDIM:
+        raise PlacementError(f"tensors with more than {_MAX_NDIM} dims are not supported")
+    code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)
+    on_mesh_device = int(local.device.type == mesh.device_type)
+    row = [local.ndim, code, on_mesh_device, *local.shape, *([0] * (_MAX_NDIM - local.ndim))]
+    table = collectives.gather_ints(row, mesh)
+    if not all(r[2] for r in table):
+        raise PlacementError(
+            f"some ranks' local tensors are not on the mesh's device type {mesh.device_type!r}; "
+            "move them there first"
+        )
+    ndims = {r[0] for r in table}
+    if len(ndims) != 1:
+        raise PlacementError(
+            "ranks passed local tensors with different numbers of dims "
+            f"({sorted(ndims)}); every rank must pass a tensor of the same rank"
+        )
+    codes = {r[1] for r in table}
+    if len(codes) != 1:
+        names = sorted(str(_DTYPES[c]) if c < len(_DTYPES) else "other" for c in codes)
+        raise PlacementError(f"ranks passed local tensors of different dtypes ({names}); cast them to one dtype")
+    return [tuple(r[3 : 3 + r[0]]) for r in table]
+
+
+def _dim_sizes_from_dict(shapes_by_mesh_dim: dict, local, mesh, placements) -> tuple:
+    tables: list = [None] * local.ndim
+    for d in range(local.ndim):
+        mesh_dims = _layout.sharding_mesh_dims(placements, d)
+        if len(mesh_dims) > 1:
+            raise PlacementError(
+                f"dim {d} is sharded over several mesh dims {mesh_dims}; a sharding_shapes "
+                'dict cannot describe that, use sharding_shapes="infer"'
+            )
+        if not mesh_dims:
+            continue
+        m = mesh_dims[0]
+        if m not in shapes_by_mesh_dim:
+            raise PlacementError(f"sharding_shapes has no entry for mesh dim {m}, which shards dim {d}")
+        shapes = [tuple(s) for s in shapes_by_mesh_dim[m]]
+        if len(shapes) != mesh.size(m):
+            raise PlacementError(
+                f"sharding_shapes[{m}] lists {len(shapes)} shapes but mesh dim {m} has {mesh.size(m)} ranks"
+            )
+        for s in shapes:
+            if len(s) != local.ndim or any(s[k] != local.shape[k] for k in range(local.ndim) if k != d):
+                raise PlacementError(
+                    f"sharding_shapes[{m}] entry {s} is inconsistent with the local shape "
+                    f"{tuple(local.shape)}: shards may differ only along dim {d}"
+                )
+        tables[d] = tuple(s[d] for s in shapes)
+    return tuple(tables)

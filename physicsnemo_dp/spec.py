@@ -1,0 +1,200 @@
+"""``ShardTensorSpec``: DTensor's spec plus the size of every shard.
+
+DTensor derives shard sizes from the global shape with ``torch.chunk``; a
+ShardTensor may instead hold any sizes (load-balanced, data-driven, empty). The
+spec therefore carries the per-dim size tables of :mod:`physicsnemo_dp._layout`
+so that each rank knows every other rank's box without communicating.
+
+Shapes are kept as plain ``int`` tuples, never ``torch.Size``: under
+``torch.compile`` a ``torch.Size`` stored on a subclass becomes unbacked
+symbolic ints, which breaks tracing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
+from . import _layout
+from .errors import PlacementError
+from ._torch_compat import DTensorSpec, TensorMeta
+
+__all__ = ["ShardTensorSpec"]
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(eq=False)
+class ShardTensorSpec(DTensorSpec):
+    """Placements, global metadata and the size of every shard of a ShardTensor.
+
+    Build one with :meth:`from_sizes` (or :meth:`chunked` for the split rule).
+    ``Partial`` placements always mean a pending reduction: the local tensor is
+    this rank's additive (or max/min) contribution, never a copy of the result.
+    """
+
+    _dim_sizes: tuple = field(default=(), kw_only=True)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_sizes(
+        cls,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        global_shape: Sequence[int],
+        dtype: torch.dtype,
+        dim_sizes: _layout.DimSizes,
+    ) -> "ShardTensorSpec":
+        """Spec with explicit size tables (validated)."""
+        global_shape = tuple(int(s) for s in global_shape)
+        placements = _layout.normalize_placements(placements, mesh.ndim, len(global_shape))
+        dim_sizes = tuple(None if t is None else tuple(int(s) for s in t) for t in dim_sizes)
+        _layout.validate_dim_sizes(global_shape, tuple(mesh.shape), placements, dim_sizes)
+        for d, table in enumerate(dim_sizes):
+            if table is not None and sum(table) != global_shape[d]:
+                raise PlacementError(
+                    f"shard sizes {table} along dim {d} add up to {sum(table)}, "
+                    f"but the global size of that dim is {global_shape[d]}"
+                )
+        meta = TensorMeta(torch.Size(global_shape), _contiguous_stride(global_shape), dtype)
+        return cls(mesh, placements, tensor_meta=meta, _dim_sizes=dim_sizes)
+
+    @classmethod
+    def chunked(
+        cls,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        global_shape: Sequence[int],
+        dtype: torch.dtype,
+    ) -> "ShardTensorSpec":
+        """Spec whose shard sizes follow the one split rule (``torch.chunk``)."""
+        global_shape = tuple(int(s) for s in global_shape)
+        placements = _layout.normalize_placements(placements, mesh.ndim, len(global_shape))
+        sizes = _layout.chunk_dim_sizes(global_shape, tuple(mesh.shape), placements)
+        return cls.from_sizes(mesh, placements, global_shape, dtype, sizes)
+
+    def with_layout(self, placements: Sequence[Placement], dim_sizes) -> "ShardTensorSpec":
+        """Same mesh, global shape and dtype; new placements and sizes."""
+        return ShardTensorSpec.from_sizes(
+            self.mesh, placements, self.global_shape, self.tensor_meta.dtype, dim_sizes
+        )
+
+    # ------------------------------------------------------------- metadata
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor_meta.shape)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    @property
+    def coordinate(self) -> tuple[int, ...]:
+        coord = self.mesh.get_coordinate()
+        if coord is None:
+            raise RuntimeError("this rank is not part of the ShardTensor's device mesh")
+        return tuple(coord)
+
+    @property
+    def dim_sizes(self) -> tuple:
+        """Per tensor dim: ``None`` (not sharded) or the extent of every shard."""
+        return self._dim_sizes
+
+    def local_shape_at(self, coord: Sequence[int]) -> tuple[int, ...]:
+        """Local shape of the rank at mesh coordinate ``coord``."""
+        return _layout.local_shape_of(
+            self.global_shape, self.mesh_shape, self.placements, self._dim_sizes, coord
+        )
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """Shape of this rank's local tensor."""
+        return torch.Size(self.local_shape_at(self.coordinate))
+
+    def local_offsets(self, coord: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Global start index of a rank's box along every tensor dim."""
+        coord = self.coordinate if coord is None else coord
+        return tuple(
+            _layout.local_offset_of(self.mesh_shape, self.placements, self._dim_sizes, coord, d)
+            for d in range(len(self.global_shape))
+        )
+
+    def offsets(self, mesh_dim: int | None = None):
+        """Offset of this rank's shard along the tensor dim each mesh dim shards.
+
+        Replicate and Partial mesh dims report 0. With ``mesh_dim`` given, a
+        single int; otherwise a tuple with one entry per mesh dim.
+        """
+        offs = self.local_offsets()
+
+        def one(m: int) -> int:
+            p = self.placements[m]
+            return offs[p.dim] if p.is_shard() else 0
+
+        if mesh_dim is not None:
+            return one(mesh_dim)
+        return tuple(one(m) for m in range(self.mesh.ndim))
+
+    def sharding_shapes(self, mesh_dim: int | None = None):
+        """Local shapes of the shards along mesh dims that shard the tensor.
+
+        For ``mesh_dim`` given: a tuple with the local shape of each rank along
+        that mesh dim (this rank's coordinates elsewhere). Otherwise a dict from
+        every sharding mesh dim to that tuple.
+        """
+        coord = self.coordinate
+
+        def along(m: int):
+            return _layout.shapes_along_mesh_dim(
+                self.global_shape, self.mesh_shape, self.placements, self._dim_sizes, coord, m
+            )
+
+        if mesh_dim is not None:
+            return along(mesh_dim)
+        return {m: along(m) for m, p in enumerate(self.placements) if p.is_shard()}
+
+    @property
+    def _sharding_shapes(self):
+        return self.sharding_shapes()
+
+    @property
+    def _local_shape(self):
+        return self.local_shape
+
+    def is_chunked(self) -> bool:
+        """True when the sizes are exactly what the split rule would give (DTensor-compatible)."""
+        return self._dim_sizes == _layout.chunk_dim_sizes(
+            self.global_shape, self.mesh_shape, self.placements
+        )
+
+    # ------------------------------------------------------ equality / hash
+    def _hash_key(self):
+        return (*super()._hash_key(), self._dim_sizes)
+
+    def __hash__(self) -> int:
+        return DTensorSpec.__hash__(self)
+
+    def __eq__(self, other: object, /) -> bool:
+        if not DTensorSpec._check_equals(self, other):
+            return False
+        return isinstance(other, ShardTensorSpec) and self._dim_sizes == other._dim_sizes
+
+    def __repr__(self) -> str:
+        sizes = {d: t for d, t in enumerate(self._dim_sizes) if t is not None}
+        return (
+            f"ShardTensorSpec(mesh={tuple(self.mesh.shape)}{self.mesh.mesh_dim_names or ''}, "
+            f"placements={self.placements}, global_shape={self.global_shape}, "
+            f"shard_sizes={sizes})"
+        )
+
+    __str__ = __repr__

@@ -7,7 +7,8 @@ gradient (so DDP, FSDP2 and optimizers see ordinary parameters).
 
 Order for every call that involves a ShardTensor:
 
-1. a function handler registered for ``func`` (or its custom-op name);
+1. a function handler registered by the user for ``func`` (or its custom-op
+   name), then the library's own (``rules.FUNCTIONS``);
 2. otherwise, if plain non-scalar tensors or DTensors are mixed in, promote
    them and call ``func`` again with subclass torch-function disabled, which
    sends it to ``__torch_dispatch__``;
@@ -132,6 +133,10 @@ def _lookup(func):
     handler = function_handlers.get(func)
     if handler is None and isinstance(func, torch._ops.OpOverload):
         handler = named_function_handlers.get(str(func))
+    if handler is None:
+        from .rules import lookup_function
+
+        handler = lookup_function(func)
     return handler
 
 

@@ -1,26 +1,45 @@
-"""Sharding rules per op family.
+"""Sharding rules per op family, and the library's function-level handlers.
 
-A rule is ``rule(func, args, kwargs) -> result`` and receives ShardTensors (and
-plain scalars or tensors that reached the dispatcher). :func:`lookup` finds
-the rule for an ``OpOverload``: an explicit entry first, then the family
-implied by the op's tags (pointwise).
+Each family module defines
+
+* ``RULES``: ``{OpOverload or OpOverloadPacket: rule}`` used by ``__torch_dispatch__``;
+  a rule is ``rule(func, args, kwargs) -> result`` and receives ShardTensors
+  (plus scalars, and plain tensors that reached the dispatcher);
+* ``FUNCTIONS``: ``{python callable: handler}`` used by ``__torch_function__``
+  for composite functions whose ATen decomposition would lose the sharding
+  (e.g. ``F.linear`` on a 3-D input) or whose default backward would
+  materialise full-size gradients (``sum``/``mean``). A handler is called as
+  ``handler(func, types, args, kwargs)`` after promotion and usually wraps a
+  ``torch.autograd.Function``.
+
+User registrations (``ShardTensor.register_*``) always win over these.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import pointwise, tensor_like
+from . import dim_ops, indexing, joins, matmul, pointwise, reductions, tensor_like, views
+
+_FAMILIES = (tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing)
 
 _TABLE: dict = {}
-for _module in (tensor_like, pointwise):
+FUNCTIONS: dict = {}
+for _module in _FAMILIES:
     _TABLE.update(_module.RULES)
+    FUNCTIONS.update(getattr(_module, "FUNCTIONS", {}))
 
 
 def lookup(func):
+    """The library rule for an ATen op, or None."""
     rule = _TABLE.get(func) or _TABLE.get(getattr(func, "overloadpacket", None))
     if rule is not None:
         return rule
     if torch.Tag.pointwise in getattr(func, "tags", ()):
         return pointwise.pointwise_rule
     return None
+
+
+def lookup_function(func):
+    """The library's function-level handler for a Python callable, or None."""
+    return FUNCTIONS.get(func)

@@ -56,3 +56,50 @@ def replicated_to_box(t: torch.Tensor, spec) -> torch.Tensor:
             continue
         t = t.narrow(td, offsets[d], local_shape[d])
     return t
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    """``dim`` in ``[0, ndim)``; raises IndexError like torch for out-of-range dims."""
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim % max(ndim, 1)
+
+
+def unshard_dims(x, dims, *, keep_partial: bool = False):
+    """Local tensor and spec of ``x`` laid out so that none of ``dims`` is sharded.
+
+    Each mesh dim that shards one of ``dims`` moves its shard to the largest
+    other tensor dim that is free (one all-to-all, memory stays O(local)); only
+    when no dim is free does it gather (Replicate). Pending reductions are
+    resolved unless ``keep_partial``. Use it for ops that need a whole dim
+    (softmax along the shard dim, cat along it, sort, ...), then bring the
+    result back with :func:`to_layout` if the output should keep ``x``'s layout.
+    """
+    from torch.distributed.tensor.placement_types import Shard
+
+    from ..._redistribute import target_layout
+
+    spec = x._spec
+    ndim = len(spec.global_shape)
+    dims = {normalize_dim(d, ndim) for d in dims}
+    placements = list(spec.placements)
+    used = {p.dim for p in placements if p.is_shard() and p.dim not in dims}
+    for m, p in enumerate(placements):
+        if p.is_shard() and p.dim in dims:
+            free = [
+                e for e in range(ndim)
+                if e not in dims and e not in used and spec.global_shape[e] >= spec.mesh.size(m)
+            ]
+            if free:
+                e = max(free, key=lambda e: spec.global_shape[e])
+                placements[m] = Shard(e)
+                used.add(e)
+            else:
+                placements[m] = Replicate()
+        elif p.is_partial() and not keep_partial:
+            placements[m] = Replicate()
+    if tuple(placements) == spec.placements:
+        return x._local_tensor, spec
+    layout = target_layout(spec, placements)
+    new_spec = spec.with_layout(layout.placements, layout.dim_sizes)
+    return redistribute_local(x._local_tensor, spec, new_spec), new_spec

@@ -142,4 +142,21 @@ def _wrap_result(result, spec):
     return wrap(result, spec)
 
 
-RULES: dict = {}
+aten = torch.ops.aten
+
+#: Elementwise ops that lack ATen's ``pointwise`` tag.
+RULES: dict = {
+    op: pointwise_rule
+    for op in (
+        aten.masked_fill_.Scalar,
+        aten.masked_fill_.Tensor,
+        aten.masked_fill.Tensor,
+        aten.native_dropout.default,
+        aten.bernoulli_.float,
+        aten.bernoulli.default,
+        aten.hardtanh_backward.default,
+        aten.leaky_relu_backward.default,
+        aten.elu_backward.default,
+        aten.softplus_backward.default,
+    )
+}

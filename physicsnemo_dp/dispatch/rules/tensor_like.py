@@ -26,6 +26,34 @@ def _factory_like(func, args, kwargs):
     return wrap(func(x._local_tensor, *rest, **kwargs), _without_partial(x._spec))
 
 
+def _new_factory(func, args, kwargs):
+    """``x.new_empty(size)`` and friends: laid out like ``x`` when ``size`` is ``x``'s shape.
+
+    Autograd uses ``new_empty_strided(param.shape, param.stride())`` to give a
+    gradient the parameter's strides, so "same shape" must mean "same layout".
+    Any other size is a new replicated tensor.
+    """
+    x, size, *rest = args
+    size = tuple(size)
+    if size == tuple(x.shape):
+        spec = _without_partial(x._spec)
+        local_size = tuple(spec.local_shape)
+    else:
+        spec = type(x._spec).chunked(x._spec.mesh, (Replicate(),) * x._spec.mesh.ndim, size, x.dtype)
+        local_size = size
+    if func in (aten.new_empty_strided.default,):
+        rest = [_contiguous_stride(local_size), *rest[1:]]
+    return wrap(func(x._local_tensor, local_size, *rest, **kwargs), spec)
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
 def _copy_(func, args, kwargs):
     dst, src, *rest = args
     ShardTensor = shard_tensor_cls()
@@ -65,6 +93,16 @@ RULES = {
             aten.full_like.default,
             aten.rand_like.default,
             aten.randn_like.default,
+        )
+    },
+    **{
+        op: _new_factory
+        for op in (
+            aten.new_empty.default,
+            aten.new_empty_strided.default,
+            aten.new_zeros.default,
+            aten.new_ones.default,
+            aten.new_full.default,
         )
     },
     aten.copy_.default: _copy_,

@@ -1,0 +1,126 @@
+"""Differential testing: a sharded op against the same op on the full tensor.
+
+``check(fn, inputs, ...)`` runs ``fn`` twice on every rank: once on plain
+global tensors (the single-process reference) and once on ShardTensors cut
+from them with the requested layouts (uneven shard sizes, empty shards). It
+compares the forward output, the gradients of every input and of every
+parameter of ``module`` (if given). The backward is driven by a gradient in
+the output's own layout, so the op's backward sees exactly what a following
+sharded op would send it.
+"""
+
+from __future__ import annotations
+
+import copy
+from itertools import product
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from physicsnemo_dp import ShardTensor
+
+from ..core._util import make_spec, shard_from_global
+
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def layouts(mesh, ndim: int, dims=None, partial: bool = False):
+    """Placements to try for an ``ndim``-d input: each shardable dim, and Replicate.
+
+    On a 2-D mesh: pairs of (dim over mesh dim 0, dim over mesh dim 1), including
+    the same dim twice (nested sharding).
+    """
+    dims = list(range(ndim)) if dims is None else [d % ndim for d in dims]
+    options = [Shard(d) for d in dims] + [Replicate()] + ([Partial()] if partial else [])
+    if mesh.ndim == 1:
+        return [(p,) for p in options]
+    return [pair for pair in product(options, repeat=2) if pair != (Replicate(), Replicate())] + [(Replicate(), Replicate())]
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def _assert_close(actual, expected, what, dtype):
+    tol = TOL.get(dtype, dict(rtol=1e-3, atol=1e-3))
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if not torch.allclose(actual, expected, equal_nan=True, **tol):
+        diff = (actual - expected).abs().max().item()
+        raise AssertionError(f"{what}: max abs diff {diff:.3e}")
+
+
+def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", salt=0):
+    """Compare ``fn`` on ShardTensors with ``fn`` on the full tensors.
+
+    Args:
+        fn: ``fn(*tensors)`` or, with ``module``, ``fn(module, *tensors)``.
+        inputs: list of ``(global_tensor, placements or None)``; ``None`` keeps
+            the input a plain tensor (it gets promoted when it meets a ShardTensor).
+        module: optional ``nn.Module``; its reference copy runs on the full
+            tensors and its parameter gradients are compared.
+        kind: ``"uneven"`` (deliberately uneven sizes with empty shards) or ``"chunk"``.
+    Returns the sharded output (for further checks).
+    """
+    ref_module = copy.deepcopy(module) if module is not None else None
+    dtype = inputs[0][0].dtype
+    ref_inputs = [g.detach().clone().requires_grad_(grad and g.is_floating_point()) for g, _ in inputs]
+    sharded = []
+    for i, (g, placements) in enumerate(inputs):
+        if placements is None:
+            sharded.append(g.detach().clone().requires_grad_(grad and g.is_floating_point()))
+        else:
+            spec = make_spec(mesh, placements, tuple(g.shape), kind, dtype=g.dtype, salt=salt + i)
+            sharded.append(shard_from_global(g, spec, requires_grad=grad and g.is_floating_point()))
+    ref_out = fn(ref_module, *ref_inputs) if module is not None else fn(*ref_inputs)
+    out = fn(module, *sharded) if module is not None else fn(*sharded)
+    where = f"{label} inputs={[p for _, p in inputs]}"
+    ref_list, out_list = _tensors(ref_out), _tensors(out)
+    assert len(ref_list) == len(out_list), where
+    for k, (o, r) in enumerate(zip(out_list, ref_list)):
+        full = o.full_tensor() if isinstance(o, ShardTensor) else o
+        if r.dtype.is_floating_point:
+            _assert_close(full.detach(), r.detach(), f"{where} output {k}", dtype)
+        else:
+            assert torch.equal(full, r), f"{where} output {k}: {full} != {r}"
+    if not grad:
+        return out
+    gen = torch.Generator().manual_seed(1234)
+    pairs = [(o, r) for o, r in zip(out_list, ref_list) if r.requires_grad]
+    if not pairs:
+        return out
+    grads_ref, grads_out, outs, refs = [], [], [], []
+    for o, r in pairs:
+        w = torch.randint(-4, 5, tuple(r.shape), generator=gen).to(r.dtype)
+        refs.append(r)
+        grads_ref.append(w)
+        outs.append(o)
+        if isinstance(o, ShardTensor):
+            spec = o._spec
+            gspec = spec.with_layout(
+                tuple(Replicate() if p.is_partial() else p for p in spec.placements), spec.dim_sizes
+            )
+            grads_out.append(shard_from_global(w, gspec))
+        else:
+            grads_out.append(w)
+    torch.autograd.backward(refs, grads_ref)
+    torch.autograd.backward(outs, grads_out)
+    for i, (s, r) in enumerate(zip(sharded, ref_inputs)):
+        if r.grad is None:
+            continue
+        g = s.grad
+        assert g is not None, f"{where}: input {i} got no gradient"
+        g = g.full_tensor() if isinstance(g, ShardTensor) else g
+        _assert_close(g, r.grad, f"{where} grad of input {i}", dtype)
+    if module is not None:
+        for (name, p), (_, rp) in zip(module.named_parameters(), ref_module.named_parameters()):
+            if rp.grad is None:
+                continue
+            assert p.grad is not None, f"{where}: parameter {name} got no gradient"
+            assert not isinstance(p.grad, ShardTensor), f"{where}: parameter {name} grad is a ShardTensor"
+            _assert_close(p.grad, rp.grad, f"{where} grad of parameter {name}", dtype)
+    return out

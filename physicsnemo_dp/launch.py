@@ -218,7 +218,12 @@ def _collect(procs, queue, timeout, return_all, echo):
             dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in results]
             if dead and failure is None and queue.empty():
                 r = dead[0]
-                failure = (r, f"process exited with code {procs[r].exitcode} without reporting a result")
+                failure = (
+                    r,
+                    f"process exited with code {procs[r].exitcode} without reporting a result. If it "
+                    "died before running your function and you launch from a script, guard the call "
+                    "with `if __name__ == '__main__':` (new processes re-import the main module).",
+                )
                 failure_deadline = time.monotonic() + _GRACE_SECONDS
             continue
         if kind == "out":

@@ -41,10 +41,17 @@ def patches_enabled() -> bool:
     return _PATCHES["enabled"]
 
 
-def _shard_tensor_cls():
-    from ..shard_tensor import ShardTensor
+_CLASSES: dict = {}
 
-    return ShardTensor
+
+def _shard_tensor_cls():
+    """ShardTensor, imported on first use (the class module imports this one)."""
+    cls = _CLASSES.get("ShardTensor")
+    if cls is None:
+        from ..shard_tensor import ShardTensor as cls
+
+        _CLASSES["ShardTensor"] = cls
+    return cls
 
 
 def _is_dtensor(x) -> bool:
@@ -83,6 +90,27 @@ class Promote(torch.autograd.Function):
         return redistribute_local(grad._local_tensor, grad._spec, ctx.spec), None
 
 
+def _needs_no_promotion(args, kwargs, ShardTensor) -> bool:
+    """Fast check for the common call: tensors at top level, all ShardTensors on one mesh object.
+
+    Anything else (containers, plain non-scalar tensors, DTensors, several mesh
+    objects) takes the general path of :func:`promote_args`.
+    """
+    mesh = None
+    for a in (*args, *kwargs.values()):
+        if type(a) is ShardTensor:
+            if mesh is None:
+                mesh = a._spec.mesh
+            elif a._spec.mesh is not mesh:
+                return False
+        elif isinstance(a, torch.Tensor):
+            if a.ndim > 0:
+                return False
+        elif isinstance(a, (list, tuple, dict)):
+            return False
+    return True
+
+
 def promote_args(func, args, kwargs):
     """Promote plain non-scalar tensors and DTensors among ``args``/``kwargs``.
 
@@ -90,8 +118,13 @@ def promote_args(func, args, kwargs):
     ShardTensors on different meshes meet.
     """
     ShardTensor = _shard_tensor_cls()
+    if _needs_no_promotion(args, kwargs, ShardTensor):
+        return args, kwargs
     flat, spec = pytree.tree_flatten((args, kwargs))
-    meshes = {id(x.device_mesh): x.device_mesh for x in flat if isinstance(x, ShardTensor)}
+    meshes = []
+    for x in flat:
+        if isinstance(x, ShardTensor) and not any(x.device_mesh == m for m in meshes):
+            meshes.append(x.device_mesh)
     if len(meshes) > 1:
         raise TypeError(
             f"{_name(func)}: ShardTensor arguments live on different device meshes; "
@@ -99,7 +132,7 @@ def promote_args(func, args, kwargs):
         )
     if not meshes or not any(_needs_promotion(x, ShardTensor) for x in flat):
         return args, kwargs
-    mesh = next(iter(meshes.values()))
+    mesh = meshes[0]
     mode = promotion.get_promotion_mode()
     out = []
     for x in flat:
@@ -131,13 +164,20 @@ def _name(func) -> str:
 
 def _lookup(func):
     handler = function_handlers.get(func)
-    if handler is None and isinstance(func, torch._ops.OpOverload):
+    if handler is None and len(named_function_handlers) and isinstance(func, torch._ops.OpOverload):
         handler = named_function_handlers.get(str(func))
     if handler is None:
-        from .rules import lookup_function
-
-        handler = lookup_function(func)
+        handler = _library_functions().get(func)
     return handler
+
+
+def _library_functions() -> dict:
+    table = _CLASSES.get("FUNCTIONS")
+    if table is None:
+        from .rules import FUNCTIONS as table
+
+        _CLASSES["FUNCTIONS"] = table
+    return table
 
 
 def handle_torch_function(func, types, args=(), kwargs=None):

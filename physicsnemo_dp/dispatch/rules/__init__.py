@@ -30,14 +30,20 @@ for _module in _FAMILIES:
     FUNCTIONS.update(getattr(_module, "FUNCTIONS", {}))
 
 
+_CACHE: dict = {}
+
+
 def lookup(func):
-    """The library rule for an ATen op, or None."""
+    """The library rule for an ATen op, or None (memoised: the table is fixed at import)."""
+    try:
+        return _CACHE[func]
+    except KeyError:
+        pass
     rule = _TABLE.get(func) or _TABLE.get(getattr(func, "overloadpacket", None))
-    if rule is not None:
-        return rule
-    if torch.Tag.pointwise in getattr(func, "tags", ()):
-        return pointwise.pointwise_rule
-    return None
+    if rule is None and torch.Tag.pointwise in getattr(func, "tags", ()):
+        rule = pointwise.pointwise_rule
+    _CACHE[func] = rule
+    return rule
 
 
 def lookup_function(func):

@@ -6,12 +6,25 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ..._redistribute import redistribute_local
+from ..torch_function import _shard_tensor_cls
 
 
 def shard_tensor_cls():
-    from ...shard_tensor import ShardTensor
+    """ShardTensor, imported on first use (the class module imports the dispatch layer)."""
+    return _shard_tensor_cls()
 
-    return ShardTensor
+
+def broadcast_shape(*shapes) -> tuple[int, ...]:
+    """Broadcast of int shapes (a plain-Python ``torch.broadcast_shapes``, much cheaper)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, n in enumerate(shape, ndim - len(shape)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} cannot be broadcast together")
+                out[i] = n
+    return tuple(out)
 
 
 def wrap(local: torch.Tensor, spec):

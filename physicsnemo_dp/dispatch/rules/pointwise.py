@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils import _pytree as pytree
 
-from ._common import replicated_to_box, resolve_partial, shard_tensor_cls, to_layout, wrap
+from ._common import broadcast_shape, replicated_to_box, resolve_partial, shard_tensor_cls, to_layout, wrap
 
 _ADDITIVE = {"add", "add_", "sub", "sub_"}
 _SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_"}
@@ -84,12 +84,40 @@ def _replicated_local(x, out_spec):
     return to_layout(x, spec)
 
 
+def _same_spec_fast_path(func, args, kwargs, ShardTensor):
+    """Result for the common call, or None: every ShardTensor shares one spec, no pending sums,
+    the rest are Python scalars or 0-d tensors."""
+    spec = None
+    for a in args:
+        if type(a) is ShardTensor:
+            if spec is None:
+                spec = a._spec
+            elif a._spec is not spec:
+                return None
+        elif isinstance(a, torch.Tensor):
+            if a.ndim:
+                return None
+        elif isinstance(a, (list, tuple)):
+            return None
+    if spec is None or kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    if any(p.is_partial() for p in spec.placements):
+        return None
+    local = func(*[a._local_tensor if type(a) is ShardTensor else a for a in args], **kwargs)
+    if func._schema.is_mutable and type(args[0]) is ShardTensor:
+        return args[0]
+    return _wrap_result(local, spec)
+
+
 def pointwise_rule(func, args, kwargs):
     ShardTensor = shard_tensor_cls()
+    fast = _same_spec_fast_path(func, args, kwargs, ShardTensor)
+    if fast is not None:
+        return fast
     flat, tree = pytree.tree_flatten((args, kwargs))
     shards = [x for x in flat if isinstance(x, ShardTensor)]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    out_shape = torch.broadcast_shapes(*(tuple(t.shape) for t in tensors))
+    out_shape = broadcast_shape(*(tuple(t.shape) for t in tensors))
     in_place = func._schema.is_mutable and isinstance(args[0], ShardTensor)
 
     if in_place:

@@ -1,0 +1,166 @@
+"""Pure shape arithmetic of ``view``/``reshape`` on uneven layouts (no tensors, no communication).
+
+A reshape maps *groups* of input dims onto groups of output dims with the same
+product (``(4, 3) -> (2, 6)`` is one group, ``(7, 5, 3) -> (7, 15)`` is ``7 -> 7``
+and ``5, 3 -> 15``). Within a group the data is laid out row-major, so a rank
+that holds the slab ``[a, b)`` of the group's outermost input dim holds the
+contiguous run ``[a * inner_in, b * inner_in)`` of the flattened group. That run
+is a slab of the outermost *output* dim exactly when its ends are multiples of
+``inner_out``. Hence the one rule (:func:`output_layout`):
+
+* a group may stay sharded only on its outermost input dim, and only when every
+  shard's extent times ``inner_in`` is divisible by ``inner_out``; the output
+  shard sizes are then ``extent * inner_in // inner_out`` on the outermost
+  output dim. This covers merging (``inner_out == 1``: always keeps) and
+  splitting (``inner_in == 1``: keeps when every shard divides by the inner
+  product), with nested sharding too, since the size table is ordered like the
+  slabs.
+* anything else — a sharded inner dim, indivisible shard sizes, a sharded
+  size-1 dim that the view drops — needs data to move first.
+  :func:`compatible_layout` picks where: each offending mesh dim moves its
+  shard to the group head (or another group head) that can carry the most
+  whole units, with the split rule over those units (one all-to-all; the
+  shard stays O(local)); only when no dim can carry it does it gather.
+
+Size-1 dims are paired with size-1 dims when both sides are at one, dropped
+(input only) or inserted (output only) otherwise.
+"""
+
+from __future__ import annotations
+
+from math import gcd, prod
+from typing import Sequence
+
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from . import _layout
+from .split import chunk_sizes
+
+__all__ = ["view_groups", "output_layout", "compatible_layout", "nested_chunks"]
+
+
+def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple:
+    """``((in_dims, out_dims), ...)`` covering both shapes in order; products match per group.
+
+    Both shapes must have the same non-zero number of elements. Groups with
+    empty ``out_dims`` drop size-1 input dims; groups with empty ``in_dims``
+    insert size-1 output dims. A group with both sides starts with a dim of
+    size > 1 on each side unless it pairs two size-1 dims.
+    """
+    in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+    if prod(in_shape) != prod(out_shape) or prod(in_shape) == 0:
+        raise ValueError(f"cannot group {in_shape} -> {out_shape}: element counts differ or are zero")
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        one_in = i < len(in_shape) and in_shape[i] == 1
+        one_out = j < len(out_shape) and out_shape[j] == 1
+        if one_in and one_out:
+            groups.append(((i,), (j,)))
+            i, j = i + 1, j + 1
+        elif one_in or j == len(out_shape):
+            groups.append(((i,), ()))
+            i += 1
+        elif one_out or i == len(in_shape):
+            groups.append(((), (j,)))
+            j += 1
+        else:
+            ins, outs = [i], [j]
+            p, q = in_shape[i], out_shape[j]
+            i, j = i + 1, j + 1
+            while p != q:
+                if p < q:
+                    p *= in_shape[i]
+                    ins.append(i)
+                    i += 1
+                else:
+                    q *= out_shape[j]
+                    outs.append(j)
+                    j += 1
+            groups.append((tuple(ins), tuple(outs)))
+    return tuple(groups)
+
+
+def _inner(shape, dims) -> int:
+    return prod(shape[d] for d in dims[1:])
+
+
+def _unit(in_shape, out_shape, group) -> int:
+    """Smallest head extent whose flattened run is a whole number of output rows."""
+    ins, outs = group
+    inner_out = _inner(out_shape, outs)
+    return inner_out // gcd(inner_out, _inner(in_shape, ins))
+
+
+def _blocked_dims(in_shape, out_shape, placements, dim_sizes) -> list[int]:
+    """Sharded input dims that the reshape cannot carry through unchanged."""
+    blocked = []
+    for ins, outs in view_groups(in_shape, out_shape):
+        for pos, d in enumerate(ins):
+            if dim_sizes[d] is None:
+                continue
+            if not outs or pos > 0:
+                blocked.append(d)
+            elif any(s % _unit(in_shape, out_shape, (ins, outs)) for s in dim_sizes[d]):
+                blocked.append(d)
+    return blocked
+
+
+def output_layout(in_shape, out_shape, placements, dim_sizes):
+    """``(placements, dim_sizes)`` of the reshaped tensor, or ``None`` if data must move first.
+
+    Replicate and Partial mesh dims are unaffected. A tensor with no elements
+    keeps no sharding (every local piece is empty, so any layout holds it).
+    """
+    placements = tuple(placements)
+    if prod(in_shape) == 0:
+        return tuple(Replicate() if p.is_shard() else p for p in placements), (None,) * len(out_shape)
+    if _blocked_dims(in_shape, out_shape, placements, dim_sizes):
+        return None
+    tables: list = [None] * len(out_shape)
+    target = {}
+    for ins, outs in view_groups(in_shape, out_shape):
+        if ins and outs and dim_sizes[ins[0]] is not None:
+            ratio_in, ratio_out = _inner(in_shape, ins), _inner(out_shape, outs)
+            tables[outs[0]] = tuple(s * ratio_in // ratio_out for s in dim_sizes[ins[0]])
+            target[ins[0]] = outs[0]
+    out = tuple(Shard(target[p.dim]) if p.is_shard() else p for p in placements)
+    return out, tuple(tables)
+
+
+def nested_chunks(total: int, parts: Sequence[int]) -> tuple[int, ...]:
+    """Split rule nested over mesh dims of sizes ``parts`` (outer first), flat table order."""
+    pieces = [total]
+    for n in parts:
+        pieces = [s for piece in pieces for s in chunk_sizes(piece, n)]
+    return tuple(pieces)
+
+
+def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
+    """An input layout that :func:`output_layout` can carry through the reshape.
+
+    Returns ``(placements, dim_sizes)``, equal to the input's when nothing
+    has to move. For each blocked dim, the mesh dims sharding it move together
+    to the group head that fits the most whole units (its own head, itself
+    rebalanced, or the head of another group), split by the split rule over
+    those units; with no head free they become Replicate.
+    """
+    placements, tables = list(placements), list(dim_sizes)
+    if prod(in_shape) == 0:
+        return tuple(placements), tuple(tables)
+    heads = {ins[0]: (ins, outs) for ins, outs in view_groups(in_shape, out_shape) if ins and outs}
+    for d in _blocked_dims(in_shape, out_shape, placements, dim_sizes):
+        mesh_dims = _layout.sharding_mesh_dims(placements, d)
+        busy = {p.dim for p in placements if p.is_shard()} - {d}
+        units = {e: in_shape[e] // _unit(in_shape, out_shape, g) for e, g in heads.items() if e not in busy}
+        best = max(units, key=lambda e: (units[e], e == d, -e), default=None)
+        tables[d] = None
+        if best is None or units[best] == 0:
+            for m in mesh_dims:
+                placements[m] = Replicate()
+            continue
+        unit = _unit(in_shape, out_shape, heads[best])
+        for m in mesh_dims:
+            placements[m] = Shard(best)
+        chunks = nested_chunks(units[best], [mesh_shape[m] for m in mesh_dims])
+        tables[best] = tuple(c * unit for c in chunks)
+    return tuple(placements), tuple(tables)

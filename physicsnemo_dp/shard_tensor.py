@@ -262,17 +262,34 @@ class ShardTensor(torch.Tensor):
 
     @property
     def grad(self):
-        """The accumulated gradient as a ShardTensor, or None.
+        """The accumulated gradient as a ShardTensor in this tensor's layout, or None.
 
-        Gradients produced by autograd are ShardTensors already and keep their
-        own placements. A plain tensor assigned by hand is read as this rank's
-        local gradient in this tensor's layout (Partial read as Replicate).
+        Backward rules may produce an equivalent gradient in another layout
+        (other shard sizes, another sharded dim); it is redistributed to this
+        tensor's layout on first read and stored so. A pending sum (Partial)
+        over a mesh dim where this tensor is replicated is kept: it is a valid
+        and cheaper form of the same gradient. A plain tensor assigned by hand
+        is read as this rank's local gradient in this tensor's layout.
         """
         with torch_function_disabled():
             g = _TensorBase.grad.__get__(self)
-        if g is None or isinstance(g, ShardTensor):
-            return g
-        return ShardTensor(g, grad_layout(self._spec), requires_grad=False)
+        if g is None:
+            return None
+        target = grad_layout(self._spec)
+        if not isinstance(g, ShardTensor):
+            return ShardTensor(g, target, requires_grad=False)
+        # A pending sum where this tensor is replicated is a valid, cheaper form of
+        # the same gradient (e.g. declared with to_local(grad_placements=[Partial()])).
+        kept = tuple(
+            gp if mine.is_replicate() and gp.is_partial() else tp
+            for mine, gp, tp in zip(self._spec.placements, g._spec.placements, target.placements)
+        )
+        target = target.with_layout(kept, target.dim_sizes)
+        if g._spec != target:  # backward rules may leave another (equivalent) layout
+            g = Redistribute.apply(g.detach(), target)
+            with torch_function_disabled():
+                _TensorBase.grad.__set__(self, g)
+        return g
 
     @grad.setter
     def grad(self, value) -> None:

@@ -143,9 +143,7 @@ def pointwise_rule(func, args, kwargs):
     local_args = []
     for x in flat:
         if isinstance(x, ShardTensor):
-            if x is ref:
-                local_args.append(x._local_tensor)
-            elif tuple(x.shape) == tuple(out_shape):
+            if tuple(x.shape) == tuple(out_shape):
                 local_args.append(to_layout(x, _operand_target(x, out_spec)))
             else:
                 local_args.append(replicated_to_box(_replicated_local(x, out_spec), out_spec))

@@ -1,0 +1,194 @@
+"""View and shape ops on uneven shards: the shard dim moves with the data; reshape across it stays exact."""
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from physicsnemo_dp import ShardTensorSpec, count_collectives
+from tests._harness import distributed
+
+from ..core._util import make_spec, shard_from_global, uneven_table
+from ._diff import check, layouts
+
+SHAPE = (7, 5, 3)
+
+
+def _g(shape=SHAPE, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+RESHAPES = [
+    lambda x: x.view(7, 15),
+    lambda x: x.reshape(-1, 3),
+    lambda x: x.reshape(105),
+    lambda x: x.reshape(3, 35),
+    lambda x: x.reshape(5, 7, 3),
+    lambda x: x.reshape(7, 5, 3, 1),
+    lambda x: x.view(1, 7, 15),
+    lambda x: x.flatten(),
+    lambda x: x.flatten(1),
+    lambda x: x.flatten(0, 1),
+    lambda x: x.unflatten(1, (5, 1)),
+    lambda x: x.flatten(1).unflatten(1, (5, 3)),
+    lambda x: x.flatten(1).unflatten(1, (3, -1)),
+    lambda x: x.view_as(torch.empty(7, 15)),
+    lambda x: x.reshape_as(torch.empty(35, 3)),
+    lambda x: x.transpose(0, 1).reshape(5, 21),
+    lambda x: torch.reshape(x.permute(2, 0, 1), (3, 35)) * 2,
+    lambda x: torch.ops.aten._unsafe_view(x * 1, [7, 15]),
+]
+
+
+@distributed(timeout=300)
+def test_reshapes(ctx):
+    for i, fn in enumerate(RESHAPES):
+        for placements in layouts(ctx.mesh, 3, partial=True):
+            check(fn, [(_g(), placements)], ctx.mesh, label=f"reshape[{i}]")
+
+
+@distributed
+def test_split_a_dim_and_size_one_dims(ctx):
+    fns = [lambda x: x.view(4, 3, 2), lambda x: x.view(2, 6, 2), lambda x: x.view(24), lambda x: x.view(12, 1, 2)]
+    for i, fn in enumerate(fns):
+        for placements in layouts(ctx.mesh, 2):
+            check(fn, [(_g((12, 2), 1), placements)], ctx.mesh, label=f"split-dim[{i}]")
+    ones = [lambda x: x.view(7, 3), lambda x: x.view(21), lambda x: x.view(1, 7, 3, 1), lambda x: x.reshape(3, 7)]
+    for i, fn in enumerate(ones):
+        for placements in layouts(ctx.mesh, 3):
+            check(fn, [(_g((7, 1, 3), 2), placements)], ctx.mesh, label=f"size-one[{i}]")
+
+
+@distributed
+def test_views_of_empty_tensors(ctx):
+    for placements in layouts(ctx.mesh, 2):
+        check(lambda x: x.reshape(4, 0), [(_g((0, 4)), placements)], ctx.mesh, label="empty")
+        check(lambda x: x.reshape(2, 2, 0).flatten(1), [(_g((4, 0)), placements)], ctx.mesh, label="empty2")
+
+
+PERMUTES = [
+    lambda x: x.permute(2, 0, 1),
+    lambda x: x.permute(-1, 1, 0),
+    lambda x: x.transpose(0, 2),
+    lambda x: x.transpose(-1, 1),
+    lambda x: torch.transpose(x, 0, 1),
+    lambda x: x.swapaxes(0, 1),
+    lambda x: x.movedim(0, -1),
+    lambda x: torch.movedim(x, (0, 1), (2, 0)),
+    lambda x: x[:, 0].t(),
+    lambda x: x.flatten(1).T,
+    lambda x: x.mT,
+    lambda x: x.transpose(0, 1).contiguous(),
+]
+
+
+@distributed
+def test_permute_transpose_movedim(ctx):
+    for i, fn in enumerate(PERMUTES):
+        for placements in layouts(ctx.mesh, 3, partial=True):
+            check(fn, [(_g(), placements)], ctx.mesh, label=f"permute[{i}]")
+
+
+SQUEEZES = [
+    lambda x: x.unsqueeze(0),
+    lambda x: x.unsqueeze(-1),
+    lambda x: x.unsqueeze(2),
+    lambda x: x.squeeze(),
+    lambda x: x.squeeze(1),
+    lambda x: x.squeeze(-2),
+    lambda x: x.squeeze(0),
+    lambda x: x.squeeze((1, 2)),
+    lambda x: torch.squeeze(x, dim=(0, 1)),
+    lambda x: x.unsqueeze(1).squeeze(1),
+    lambda x: x[None, :, None].squeeze(),
+]
+
+
+@distributed
+def test_squeeze_unsqueeze(ctx):
+    for i, fn in enumerate(SQUEEZES):
+        for placements in layouts(ctx.mesh, 3, partial=True):
+            # dim 1 has size 1: sharding it leaves ranks with empty shards
+            check(fn, [(_g((7, 1, 3), 3), placements)], ctx.mesh, label=f"squeeze[{i}]")
+    for placements in layouts(ctx.mesh, 2):
+        check(lambda x: x.squeeze(), [(_g((1, 1), 4), placements)], ctx.mesh, label="squeeze-to-0d")
+
+
+EXPANDS = [
+    lambda x: x.expand(7, 4, 3),
+    lambda x: x.expand(2, 7, 4, 3),
+    lambda x: x.expand(-1, 6, -1),
+    lambda x: x.expand_as(torch.empty(7, 2, 3)),
+    lambda x: torch.broadcast_to(x, (2, 7, 5, 3)),
+    lambda x: x.expand(7, 1, 3),
+]
+
+
+@distributed
+def test_expand(ctx):
+    for i, fn in enumerate(EXPANDS):
+        for placements in layouts(ctx.mesh, 3, partial=True):
+            check(fn, [(_g((7, 1, 3), 5), placements)], ctx.mesh, label=f"expand[{i}]")
+
+
+@distributed
+def test_expand_of_replicate_is_a_stride_zero_view(ctx):
+    mesh = ctx.mesh
+    spec = ShardTensorSpec.chunked(mesh, [Replicate()] * mesh.ndim, (1, 3), torch.float64)
+    x = shard_from_global(_g((1, 3)), spec)
+    with count_collectives() as counter:
+        y = x.expand(1000, 3)
+    assert counter.total_calls == 0
+    assert all(p == Replicate() for p in y.placements)
+    assert y._local_tensor.stride() == (0, 1)
+    assert y._local_tensor.data_ptr() == x._local_tensor.data_ptr()
+
+
+@distributed
+def test_views_that_keep_the_sharding_do_not_communicate(ctx):
+    mesh = ctx.mesh
+    for placements in layouts(mesh, 3, partial=True):
+        spec = make_spec(mesh, placements, SHAPE)
+        x = shard_from_global(_g(), spec)
+        with count_collectives() as counter:
+            outs = [x.permute(2, 0, 1), x.transpose(0, 1), x.unsqueeze(1), x.unsqueeze(0).squeeze(0), x.movedim(2, 0)]
+            if spec.dim_sizes[1] is None and spec.dim_sizes[2] is None:
+                outs += [x.reshape(7, 15), x.flatten(), x.unflatten(2, (3, 1))]  # merge into / keep the head
+            if spec.dim_sizes[0] is None and spec.dim_sizes[2] is None:
+                outs += [x.flatten(1), x.view(7, 15)]  # dim 1 is the head of (5, 3) -> 15
+        assert counter.total_calls == 0, placements
+        for y in outs:
+            assert y._local_tensor.numel() == x._local_tensor.numel()
+    # splitting a sharded dim keeps it when every shard divides by the inner product
+    rows = tuple(3 * s for s in uneven_table(8, mesh.size(), salt=1))  # uneven, with empty shards
+    spec = ShardTensorSpec.from_sizes(mesh, [Shard(0)] * mesh.ndim, (24, 2), torch.float64, (rows, None))
+    x = shard_from_global(_g((24, 2)), spec)
+    with count_collectives() as counter:
+        y = x.view(8, 3, 2)
+    assert counter.total_calls == 0 and y.placements == x.placements
+    assert torch.equal(y.full_tensor(), _g((24, 2)).view(8, 3, 2))
+
+
+@distributed
+def test_as_strided_is_refused_clearly(ctx):
+    spec = make_spec(ctx.mesh, layouts(ctx.mesh, 2)[0], (4, 4))
+    x = shard_from_global(_g((4, 4)), spec)
+    with pytest.raises(NotImplementedError, match="as_strided"):
+        x.as_strided((2, 2), (1, 1))
+
+
+@distributed(world_sizes=(2, 3, 4), mesh_2d=False)
+def test_reshape_that_cannot_keep_the_shard_moves_it_with_one_all_to_all(ctx):
+    mesh = ctx.mesh
+    # dim 2 is the inner dim of the merged group (5, 3) -> 15: its shard moves to dim 0
+    x = shard_from_global(_g(), make_spec(mesh, [Shard(2)], SHAPE))
+    with count_collectives() as counter:
+        y = x.reshape(7, 15)
+    assert dict(counter.calls) == {"all_to_all": 1}
+    assert y.placements == (Shard(0),)
+    assert torch.equal(y.full_tensor(), _g().reshape(7, 15))
+    # a 1-D shard split into rows of 3 with shards that do not divide: rebalanced in place
+    x = shard_from_global(_g((12,)), make_spec(mesh, [Shard(0)], (12,)))
+    with count_collectives() as counter:
+        y = x.view(4, 3)
+    assert set(counter.calls) <= {"all_to_all"} and y.placements == (Shard(0),)
+    assert torch.equal(y.full_tensor(), _g((12,)).view(4, 3))

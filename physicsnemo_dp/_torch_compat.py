@@ -70,7 +70,7 @@ def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_
 
 
 def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim):
-    return wait(funcol.all_gather_tensor(tensor, gather_dim, _group(mesh, mesh_dim)))
+    return wait(funcol.all_gather_single(tensor, gather_dim, _group(mesh, mesh_dim)))
 
 
 def all_reduce(tensor, reduce_op: str, mesh, mesh_dim):
@@ -88,3 +88,53 @@ def current_mesh():
 
     stack = getattr(_mesh_resources, "mesh_stack", [])
     return stack[-1] if stack else None
+
+
+def torch_function_state():
+    """This thread's torch-function state (enabled / subclasses disabled / all disabled)."""
+    return torch._C._get_torch_function_state()
+
+
+class torch_function_state_as:
+    """Context manager: run the block under a saved torch-function state, then restore.
+
+    A forward recomputed in backward (activation checkpointing) must see the
+    state its original run saw: the autograd engine may be entered with
+    subclass ``__torch_function__`` disabled, which would send ShardTensor ops
+    past their function-level handlers and record a different graph.
+    """
+
+    def __init__(self, state) -> None:
+        self._state, self._previous = state, None
+
+    def __enter__(self) -> None:
+        self._previous = torch._C._get_torch_function_state()
+        torch._C._set_torch_function_state(self._state)
+
+    def __exit__(self, *exc) -> None:
+        torch._C._set_torch_function_state(self._previous)
+
+
+def run_autograd_engine(outputs, grad_outputs, *, retain_graph, create_graph, inputs, accumulate_grad, allow_unused=True):
+    """Run the autograd engine directly, past ``torch.autograd``'s ``__torch_function__`` check.
+
+    ``torch.autograd.backward``/``grad`` hand subclass tensors to
+    ``__torch_function__``; running them from there with subclass
+    torch-function disabled would keep it disabled for the whole backward pass,
+    so function-level handlers and promotion would be skipped in every backward
+    formula and activation-checkpoint recompute. Calling the engine here keeps
+    the caller's torch-function state.
+    """
+    outputs = tuple(outputs)
+    grads = torch.autograd._make_grads(outputs, tuple(grad_outputs), is_grads_batched=False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    return torch.autograd.graph._engine_run_backward(
+        outputs,
+        grads,
+        retain_graph,
+        create_graph,
+        tuple(inputs),
+        allow_unused,
+        accumulate_grad,
+    )

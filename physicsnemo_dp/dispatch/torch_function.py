@@ -23,7 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import promotion
-from .._torch_compat import torch_function_disabled
+from .._torch_compat import run_autograd_engine, torch_function_disabled
 from .registry import function_handlers, named_function_handlers
 
 __all__ = ["handle_torch_function", "promote_args"]
@@ -180,8 +180,50 @@ def _library_functions() -> dict:
     return table
 
 
+def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+        grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+    run_autograd_engine(
+        tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph,
+        inputs=inputs or (), accumulate_grad=True,
+    )
+
+
+def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    _backward(self, gradient, retain_graph, create_graph, inputs)
+
+
+def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+          allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    if is_grads_batched:
+        raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported for ShardTensors")
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
+    result = run_autograd_engine(
+        outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+        inputs=inputs, accumulate_grad=False, allow_unused=bool(allow_unused or materialize_grads),
+    )
+    if materialize_grads:
+        result = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(result, inputs))
+    return result
+
+
+#: Autograd entry points re-implemented so the backward pass keeps torch-function enabled.
+_AUTOGRAD_ENTRIES = {
+    torch.autograd.backward: _backward,
+    torch.Tensor.backward: _tensor_backward,
+    torch.autograd.grad: _grad,
+}
+
+
 def handle_torch_function(func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
+    entry = _AUTOGRAD_ENTRIES.get(func)
+    if entry is not None:
+        return entry(*args, **kwargs)
     handler = _lookup(func) if patches_enabled() else None
     args, kwargs = promote_args(func, args, kwargs)
     if handler is not None:

@@ -1,0 +1,172 @@
+"""The architecture guardrails, run the way CI runs them: as subprocesses.
+
+* ``lint-imports`` checks the import contracts in ``pyproject.toml`` (core
+  tensor code does not import ``physicsnemo_dp.distributed``; nothing in
+  ``physicsnemo_dp`` imports ``datapipes`` or ``examples``);
+* ``tools/lint_parallelizer_contract.py`` checks what import rules cannot
+  (one public method on sidecars, exported imports only, no model-name
+  branching in shared code).
+
+Each is also run on deliberately broken inputs, so a check that silently
+stopped checking would fail here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT_SCRIPT = ROOT / "tools" / "lint_parallelizer_contract.py"
+
+
+def _lint_imports_executable() -> str:
+    beside = Path(sys.executable).with_name("lint-imports")
+    found = str(beside) if beside.exists() else shutil.which("lint-imports")
+    if found is None:
+        pytest.fail("lint-imports is not installed: pip install import-linter (it is in the 'test' extra)")
+    return found
+
+
+def _run(command, cwd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(cwd))
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _lint_imports(cwd) -> subprocess.CompletedProcess:
+    return _run([_lint_imports_executable(), "--no-cache", "--no-logo"], cwd)
+
+
+def test_import_contracts_hold():
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout
+
+
+def test_import_contracts_catch_violations(tmp_path):
+    shutil.copytree(ROOT / "physicsnemo_dp", tmp_path / "physicsnemo_dp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / "physicsnemo_dp" / "errors.py", "a") as f:
+        f.write("\nimport datapipes\nfrom examples import train_ddp_domain\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "physicsnemo_dp is not allowed to import datapipes" in result.stdout
+    assert "physicsnemo_dp is not allowed to import examples" in result.stdout
+    assert "does not import datapipes or examples BROKEN" in result.stdout
+
+    with open(tmp_path / "physicsnemo_dp" / "split.py", "a") as f:
+        f.write("\nfrom .distributed import MeshContext\n")
+    with open(tmp_path / "physicsnemo_dp" / "launch.py", "a") as f:  # allowed: launch is not core
+        f.write("\nfrom .distributed import MeshContext\n")
+    result = _lint_imports(tmp_path)
+    assert "Core tensor code does not import physicsnemo_dp.distributed BROKEN" in result.stdout
+    assert "import physicsnemo_dp does not load physicsnemo_dp.distributed BROKEN" in result.stdout
+    assert "physicsnemo_dp.split -> physicsnemo_dp.distributed" in result.stdout
+    assert "physicsnemo_dp.launch -> physicsnemo_dp.distributed" not in result.stdout
+    assert result.returncode != 0
+
+
+def test_parallelizer_lint_passes_on_the_repository():
+    result = _run([sys.executable, str(LINT_SCRIPT)], ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+_BAD_SIDECARS = '''
+from physicsnemo_dp.distributed import ModelParallelizer, MeshContext
+from physicsnemo_dp.distributed import sync_helpers
+from physicsnemo_dp.distributed.parallelizer import find_blocks
+import physicsnemo_dp.distributed.precision
+
+
+class WideParallelizer(ModelParallelizer):
+    strategy_name = "mine"
+
+    def _fully_shard_module(self, module, **kwargs):
+        return module
+
+    def parallelize_fsdp2(self, model, mesh_context):
+        return model
+
+
+class EntryParallelizer(WideParallelizer):
+    def parallelize(self, model, mesh_context):
+        return model
+'''
+
+_GOOD_SIDECAR = '''
+from physicsnemo_dp.distributed import ModelParallelizer
+
+
+class MyParallelizer(ModelParallelizer):
+    def __init__(self):
+        self._seen = 0
+
+    def _fully_shard_module(self, module, **kwargs):
+        self._seen += 1
+        return super()._fully_shard_module(module, **kwargs)
+
+    def _helper(self):
+        return None
+
+
+class NotASidecar:
+    def parallelize_anything(self):
+        return None
+'''
+
+_MODEL_NAME_BRANCHES = '''
+def choose(model, table):
+    if type(model).__name__ == "Transolver":
+        return 1
+    if "Mesh" in model.__class__.__qualname__:
+        return 2
+    x = 3 if model.config.model_type == "unet" else 4
+    while getattr(model, "__name__") != "x":
+        break
+    if type(model) is dict:
+        return 5
+    handler = table[type(model).__name__]
+    other = table.get(model.config.architectures[0])
+    ok = [m for m in model.modules() if m.__module__.startswith("models")]
+    raise ValueError(f"{type(model).__name__} is fine in a message")
+'''
+
+
+def test_parallelizer_lint_rejects_violations(tmp_path):
+    bad, good, shared = tmp_path / "bad_sidecar.py", tmp_path / "good_sidecar.py", tmp_path / "shared"
+    shared.mkdir()
+    bad.write_text(_BAD_SIDECARS)
+    good.write_text(_GOOD_SIDECAR)
+    (shared / "dispatch.py").write_text(_MODEL_NAME_BRANCHES)
+    result = _run([sys.executable, str(LINT_SCRIPT), "--shared", str(shared), str(tmp_path)], ROOT)
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    by_file = lambda name: [line.split(": ", 1)[1] for line in lines if Path(line.split(":")[0]).name == name]  # noqa: E731
+
+    sidecar = by_file("bad_sidecar.py")
+    assert sum(v.startswith("PC001") for v in sidecar) == 3, sidecar  # strategy_name, parallelize_fsdp2, parallelize
+    assert any("public member 'parallelize_fsdp2'" in v for v in sidecar)
+    assert any("public member 'strategy_name'" in v for v in sidecar)
+    assert any("EntryParallelizer has public member 'parallelize'" in v and "do not override" in v for v in sidecar)
+    assert any("['sync_helpers'] are not in physicsnemo_dp.distributed.__all__" in v for v in sidecar)
+    assert any("imports physicsnemo_dp.distributed.parallelizer" in v for v in sidecar)
+    assert any("imports physicsnemo_dp.distributed.precision" in v for v in sidecar)
+    assert len(sidecar) == 6, sidecar
+
+    assert by_file("good_sidecar.py") == []
+    flagged = sorted(int(line.split(":")[1]) for line in lines if "dispatch.py" in line)
+    assert all("PC003" in line for line in lines if "dispatch.py" in line)
+    # every line of the snippet that branches on identity; the error message on line 15 does not
+    assert flagged == [3, 5, 7, 8, 10, 12, 13, 14], result.stdout
+
+
+def test_parallelizer_lint_cli_errors(tmp_path):
+    result = _run([sys.executable, str(LINT_SCRIPT), str(tmp_path / "missing.py")], ROOT)
+    assert result.returncode == 2 and "no such file or directory" in result.stderr
+    result = _run([sys.executable, str(LINT_SCRIPT), "--help"], ROOT)
+    assert result.returncode == 0 and "PATH" in result.stdout.upper()

@@ -13,6 +13,7 @@ symbolic ints, which breaks tracing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -90,15 +91,15 @@ class ShardTensorSpec(DTensorSpec):
         )
 
     # ------------------------------------------------------------- metadata
-    @property
+    @cached_property
     def global_shape(self) -> tuple[int, ...]:
         return tuple(self.tensor_meta.shape)
 
-    @property
+    @cached_property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(self.mesh.shape)
 
-    @property
+    @cached_property
     def coordinate(self) -> tuple[int, ...]:
         coord = self.mesh.get_coordinate()
         if coord is None:
@@ -116,7 +117,7 @@ class ShardTensorSpec(DTensorSpec):
             self.global_shape, self.mesh_shape, self.placements, self._dim_sizes, coord
         )
 
-    @property
+    @cached_property
     def local_shape(self) -> torch.Size:
         """Shape of this rank's local tensor."""
         return torch.Size(self.local_shape_at(self.coordinate))
@@ -168,7 +169,7 @@ class ShardTensorSpec(DTensorSpec):
         return self.sharding_shapes()
 
     @property
-    def _local_shape(self):
+    def _local_shape(self):  # the attribute name the reference API documents
         return self.local_shape
 
     def is_chunked(self) -> bool:

@@ -23,11 +23,12 @@ __all__ = ["handle_torch_dispatch"]
 
 def handle_torch_dispatch(func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    handler = dispatch_handlers.get(func)
-    if handler is None and len(named_function_handlers) and isinstance(func, torch._ops.OpOverload):
-        handler = named_function_handlers.get(str(func))
-    if handler is not None:
-        return handler(func, types, args, kwargs)
+    if len(dispatch_handlers) or len(named_function_handlers):
+        handler = dispatch_handlers.get(func)
+        if handler is None and isinstance(func, torch._ops.OpOverload):
+            handler = named_function_handlers.get(str(func))
+        if handler is not None:
+            return handler(func, types, args, kwargs)
     rule = rules.lookup(func)
     if rule is None:
         raise NotImplementedError(

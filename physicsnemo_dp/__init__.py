@@ -8,7 +8,7 @@ code runs on it and gives the output and gradients one big device would.
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .collectives import CommCounter, count_collectives
-from .errors import PlacementError
+from .errors import PlacementError, PromotionError
 from .promotion import TensorPromotionMode, get_promotion_mode, promotion_mode, set_promotion_mode
 from .scatter import scatter_tensor
 from .shard_tensor import ShardTensor
@@ -31,6 +31,7 @@ __all__ = [
     "count_collectives",
     "CommCounter",
     "PlacementError",
+    "PromotionError",
     "chunk_sizes",
     "Shard",
     "Replicate",

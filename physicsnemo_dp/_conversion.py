@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._redistribute import grad_layout, redistribute_local
+from ._redistribute import grad_layout, grad_of_contribution, redistribute_local
 
 
 def _shard_tensor_cls():
@@ -33,8 +33,8 @@ def _as_layout(grad, spec):
     ShardTensor = _shard_tensor_cls()
     target = grad_layout(spec)
     if isinstance(grad, ShardTensor):
-        return redistribute_local(grad._local_tensor, grad._spec, target)
-    return grad
+        grad = redistribute_local(grad._local_tensor, grad._spec, target)
+    return grad_of_contribution(grad, spec)
 
 
 class FromLocal(torch.autograd.Function):
@@ -79,4 +79,5 @@ class Redistribute(torch.autograd.Function):
     def backward(ctx, grad):
         target = grad_layout(ctx.src_spec)
         local = redistribute_local(grad._local_tensor, grad._spec, target)
+        local = grad_of_contribution(local, ctx.src_spec)
         return _shard_tensor_cls()(local, target, requires_grad=False), None

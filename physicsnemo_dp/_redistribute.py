@@ -156,6 +156,24 @@ def redistribute_local(local: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
     return run_plan(local, steps, src_spec.mesh)
 
 
+def grad_of_contribution(local: torch.Tensor, spec) -> torch.Tensor:
+    """Turn the gradient of a value into the gradient of this rank's contribution to it.
+
+    For ``Partial("sum")`` they are equal. For ``Partial("avg")`` each
+    contribution enters with weight ``1/n``. Max/min contributions have a
+    gradient only where they win, which a layout cannot express: refused.
+    """
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Partial) and p.reduce_op == "avg":
+            local = local / spec.mesh.size(m)
+        elif isinstance(p, Partial) and p.reduce_op in ("max", "min"):
+            raise NotImplementedError(
+                f"no gradient through a Partial({p.reduce_op!r}) tensor; redistribute it to "
+                "Replicate() before the differentiable computation"
+            )
+    return local
+
+
 def grad_layout(spec):
     """Layout a gradient takes for a tensor of layout ``spec``.
 

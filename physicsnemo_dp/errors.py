@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlacementError"]
+__all__ = ["PlacementError", "PromotionError"]
 
 
 class PlacementError(ValueError, RuntimeError):
@@ -12,4 +12,13 @@ class PlacementError(ValueError, RuntimeError):
     DTensor raises for the same mistakes), so either ``except`` clause works.
     The checks read only metadata that every rank shares, so every rank raises
     the same error instead of some ranks waiting in a collective.
+    """
+
+
+class PromotionError(RuntimeError):
+    """A plain tensor met a ShardTensor while promotion is DISABLED.
+
+    Not a ``TypeError`` on purpose: Python turns a ``TypeError`` raised inside
+    an operator (``x * w``) into its own "unsupported operand" message, which
+    would hide the explanation and the fix.
     """

@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import promotion
+from ..errors import PlacementError, PromotionError
 from .._torch_compat import run_autograd_engine, torch_function_disabled
 from .registry import function_handlers, named_function_handlers
 
@@ -114,8 +115,8 @@ def _needs_no_promotion(args, kwargs, ShardTensor) -> bool:
 def promote_args(func, args, kwargs):
     """Promote plain non-scalar tensors and DTensors among ``args``/``kwargs``.
 
-    Honours the promotion mode; raises ``TypeError`` in DISABLED mode and when
-    ShardTensors on different meshes meet.
+    Honours the promotion mode; raises ``PromotionError`` in DISABLED mode and
+    ``PlacementError`` when ShardTensors on different meshes meet.
     """
     ShardTensor = _shard_tensor_cls()
     if _needs_no_promotion(args, kwargs, ShardTensor):
@@ -126,7 +127,7 @@ def promote_args(func, args, kwargs):
         if isinstance(x, ShardTensor) and not any(x.device_mesh == m for m in meshes):
             meshes.append(x.device_mesh)
     if len(meshes) > 1:
-        raise TypeError(
+        raise PlacementError(
             f"{_name(func)}: ShardTensor arguments live on different device meshes; "
             "redistribute them onto one mesh first"
         )
@@ -141,7 +142,7 @@ def promote_args(func, args, kwargs):
         elif _is_dtensor(x):
             out.append(ShardTensor.from_dtensor(x))
         elif mode is promotion.TensorPromotionMode.DISABLED:
-            raise TypeError(
+            raise PromotionError(
                 f"{_name(func)}: a plain tensor of shape {tuple(x.shape)} meets a ShardTensor "
                 "while promotion is DISABLED; make it distributed first (scatter_tensor, "
                 "ShardTensor.from_local(..., placements=[Replicate()])) or enable promotion "

@@ -11,7 +11,7 @@ from itertools import product
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from physicsnemo_dp import PlacementError, count_collectives
+from physicsnemo_dp import PlacementError, ShardTensor, count_collectives
 from physicsnemo_dp.split import chunk_sizes
 from tests._harness import distributed
 
@@ -169,3 +169,28 @@ def test_negative_shard_dim_is_normalized(ctx):
     x = shard_from_global(integer_tensor(SHAPE), make_spec(mesh, (Replicate(),) * mesh.ndim, SHAPE))
     y = x.redistribute(placements=(Replicate(),) * (mesh.ndim - 1) + (Shard(-1),))
     assert y.placements[-1] == Shard(1)
+
+
+@distributed(mesh_2d=False)
+def test_gradient_of_an_average_contribution_is_scaled(ctx):
+    """value = mean of contributions, so each contribution's gradient is grad / P."""
+    mesh = ctx.mesh
+    G = integer_tensor(SHAPE)
+    spec = make_spec(mesh, [Partial("avg")], SHAPE)
+    x = ShardTensor(G.clone(), spec, requires_grad=True)  # every rank contributes G: the average is G
+    full = x.full_tensor()
+    assert torch.equal(full, G)
+    full.sum().backward()
+    assert torch.allclose(x.grad.to_local(), torch.full(SHAPE, 1.0 / ctx.world_size, dtype=G.dtype))
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_no_gradient_through_partial_max(ctx):
+    spec = make_spec(ctx.mesh, [Partial("max")], SHAPE)
+    x = ShardTensor(integer_tensor(SHAPE), spec, requires_grad=True)
+    try:
+        x.full_tensor().sum().backward()
+    except NotImplementedError as err:
+        assert "Partial('max')" in str(err)
+    else:
+        raise AssertionError("backward through Partial('max') was accepted")

@@ -3,9 +3,10 @@
 The output takes the layout (placements and shard sizes) of the first
 ShardTensor operand that has the output's full shape — for in-place ops, of
 ``self``. Every other operand is brought to that layout: same-shape
-ShardTensors are redistributed, broadcasting ones and plain tensors are
-replicated and sliced to the local box (no communication when they already are
-replicated, which is the usual case: a bias, a scale, a mask).
+ShardTensors are redistributed; broadcasting ones take the output's sharding
+along the dims they share and are replicated along the dims they broadcast;
+plain tensors are sliced to the local box (no communication for the usual
+cases: a bias, a scale, a mask, a reduced statistic kept with keepdim).
 
 Pending reductions (``Partial``) survive only where the op is linear in them:
 ``a + b`` and ``a - b`` with both pending, ``a * r`` and ``a / r`` with one
@@ -16,7 +17,7 @@ keeps meaning "sum the contributions to get the value".
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from ._common import broadcast_shape, replicated_to_box, resolve_partial, shard_tensor_cls, to_layout, wrap
@@ -72,15 +73,27 @@ def _operand_target(x, out_spec):
     return out_spec.with_layout(tuple(placements), out_spec.dim_sizes)
 
 
-def _replicated_local(x, out_spec):
-    """Local tensor of a broadcasting ShardTensor operand, replicated except kept pending sums."""
-    keep = tuple(
-        p if isinstance(p, Partial) and x._spec.placements[m] == p else Replicate()
-        for m, p in enumerate(out_spec.placements)
-    )
-    if keep == x._spec.placements:
-        return x._local_tensor
-    spec = x._spec.with_layout(keep, (None,) * len(x._spec.global_shape))
+def _broadcast_local(x, out_spec):
+    """Local tensor of a ShardTensor operand that broadcasts against the output.
+
+    Along dims where the operand has the output's full extent it takes the
+    output's sharding and sizes (no data moves if it is already laid out so);
+    along dims it broadcasts (extent 1, or missing) it is replicated. Pending
+    sums the output keeps stay pending.
+    """
+    offset = len(out_spec.global_shape) - len(x._spec.global_shape)
+    placements, tables = [], [None] * len(x._spec.global_shape)
+    for m, p in enumerate(out_spec.placements):
+        if isinstance(p, Partial):
+            placements.append(p if x._spec.placements[m] == p else Replicate())
+            continue
+        e = p.dim - offset if isinstance(p, Shard) else -1
+        if e >= 0 and x._spec.global_shape[e] == out_spec.global_shape[p.dim]:
+            placements.append(Shard(e))
+            tables[e] = out_spec.dim_sizes[p.dim]
+        else:
+            placements.append(Replicate())
+    spec = x._spec.with_layout(tuple(placements), tuple(tables))
     return to_layout(x, spec)
 
 
@@ -132,7 +145,7 @@ def pointwise_rule(func, args, kwargs):
         out_spec = type(spec).chunked(
             spec.mesh, (Replicate(),) * spec.mesh.ndim, out_shape, spec.tensor_meta.dtype
         )
-        local_args = [_replicated_local(x, out_spec) if isinstance(x, ShardTensor) else x for x in flat]
+        local_args = [_broadcast_local(x, out_spec) if isinstance(x, ShardTensor) else x for x in flat]
         largs, lkwargs = _rebuild(local_args, tree)
         return _wrap_result(func(*largs, **lkwargs), out_spec)
 
@@ -146,7 +159,7 @@ def pointwise_rule(func, args, kwargs):
             if tuple(x.shape) == tuple(out_shape):
                 local_args.append(to_layout(x, _operand_target(x, out_spec)))
             else:
-                local_args.append(replicated_to_box(_replicated_local(x, out_spec), out_spec))
+                local_args.append(_broadcast_local(x, out_spec))
         elif isinstance(x, torch.Tensor) and x.ndim > 0:
             local_args.append(replicated_to_box(x, out_spec))
         else:

@@ -1,0 +1,34 @@
+"""Reductions over sharded and unsharded dims, on shards of any sizes.
+
+Communication, per call, over the mesh dims that shard a reduced dim (none
+when only unsharded dims are reduced; kept dims keep their shards). Only
+reduced-size tensors ever move:
+
+==================================  ==========================================  ===========================
+op                                  forward                                     backward
+==================================  ==========================================  ===========================
+sum, mean, nansum                   nothing: the result is ``Partial("sum")``   nothing (local expand)
+count_nonzero                       nothing: ``Partial("sum")``                 (not differentiable)
+amax, amin, max(), min()            one all-gather of per-rank results          one all-reduce (tie count)
+prod                                one all-gather                              one all-gather, one all-reduce
+logsumexp                           one all-gather                              nothing
+norm, vector_norm                   one all-gather                              nothing (inf norms: one)
+any, all                            one all-gather                              (not differentiable)
+max(dim), min(dim)                  two all-gathers (values, global indices)    nothing
+argmax, argmin                      two all-gathers                             (not differentiable)
+var, std, var_mean, std_mean        two all-reduces (sum, squared deviations)   one all-reduce (the mean)
+==================================  ==========================================  ===========================
+
+Backward: ``sum``/``mean``/``nansum``/``max(dim)``/``min(dim)``/``prod`` have
+Functions whose gradients are built in the input's layout (``functions``);
+the others use ATen's derivative formulas, which run on ShardTensors through
+the elementwise, view and reduction rules (the table counts those).
+
+``rules`` holds the dispatch rules, ``functions`` the function-level handlers,
+``_layout`` the shape arithmetic and ``_combine`` the communication.
+"""
+
+from .functions import FUNCTIONS
+from .rules import RULES
+
+__all__ = ["FUNCTIONS", "RULES"]

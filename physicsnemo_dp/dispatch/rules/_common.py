@@ -116,3 +116,23 @@ def unshard_dims(x, dims, *, keep_partial: bool = False):
     layout = target_layout(spec, placements)
     new_spec = spec.with_layout(layout.placements, layout.dim_sizes)
     return redistribute_local(x._local_tensor, spec, new_spec), new_spec
+
+
+def grad_like(result, spec):
+    """``result`` redistributed to the gradient layout of an input of layout ``spec``.
+
+    Sharded dims take the input's shard sizes. Where the input is replicated
+    (not pending) a pending sum may stay pending: it is reduced by whoever needs
+    the value, e.g. once by the promotion step of a plain weight.
+    """
+    from ..._redistribute import grad_layout
+
+    target = grad_layout(spec)
+    placements = tuple(
+        rp if isinstance(p, Replicate) and isinstance(rp, Partial) and rp.reduce_op in ("sum", "avg") else tp
+        for p, tp, rp in zip(spec.placements, target.placements, result._spec.placements)
+    )
+    dst = target.with_layout(placements, target.dim_sizes)
+    if dst == result._spec:
+        return result
+    return wrap(redistribute_local(result._local_tensor, result._spec, dst), dst)

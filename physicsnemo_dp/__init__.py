@@ -13,6 +13,7 @@ from .promotion import TensorPromotionMode, get_promotion_mode, promotion_mode, 
 from .scatter import scatter_tensor
 from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec
+from .spatial import halo_exchange
 from .sync import sync_module_over_mesh
 from .launch import RankError, launch
 from .split import chunk_sizes
@@ -22,6 +23,7 @@ __all__ = [
     "ShardTensorSpec",
     "TensorPromotionMode",
     "scatter_tensor",
+    "halo_exchange",
     "sync_module_over_mesh",
     "launch",
     "RankError",

@@ -66,6 +66,8 @@ def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", 
         kind: ``"uneven"`` (deliberately uneven sizes with empty shards) or ``"chunk"``.
     Returns the sharded output (for further checks).
     """
+    if module is not None:
+        module.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both from zero
     ref_module = copy.deepcopy(module) if module is not None else None
     dtype = inputs[0][0].dtype
     ref_inputs = [g.detach().clone().requires_grad_(grad and g.is_floating_point()) for g, _ in inputs]

@@ -1,0 +1,137 @@
+"""Pure arithmetic of the halo exchange: which rows go where (no communication).
+
+Along one tensor dim of global extent ``N``, split into shards of known sizes,
+every shard ``r`` asks for a *window* ``[lo_r, hi_r)`` of global indices. The
+window may reach past the shard (halo), past its neighbours (a thin shard
+gathers from further ranks) and past the dim (boundary padding). Every window
+position reads one global row through the boundary mode:
+
+* ``constant`` (``zeros`` is ``constant`` with value 0): rows outside
+  ``[0, N)`` are the fill value;
+* ``replicate``: the nearest edge row;
+* ``reflect``: mirrored about the edge rows (the edge not repeated);
+* ``circular``: ``i mod N`` (periodic domains).
+
+Only the *global* boundary is padded: inside ``[0, N)`` a window reads real
+rows, whoever owns them. Each rank receives every distinct row it needs and
+does not own exactly once (sorted by global index, hence by owner), then
+builds its window with one ``index_select`` over ``[local | received | fill]``.
+So the bytes moved are exactly the halo volume, and replicated edge rows
+travel once, not once per use.
+
+Plans are functions of shard sizes and windows only, identical on every rank
+of the group (every rank computes what every other rank asks for, so it knows
+what to send). They are cached: a network applies the same few geometries
+over and over (``plan_dim.cache_clear()`` resets the cache).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..split import offsets_from_sizes
+
+BOUNDARY_MODES = ("zeros", "constant", "replicate", "reflect", "circular")
+
+
+def source_rows(lo: int, hi: int, extent: int, mode: str) -> torch.Tensor:
+    """Global row read by each position of window ``[lo, hi)``; ``-1`` means the fill value."""
+    i = torch.arange(lo, hi)
+    if mode in ("zeros", "constant"):
+        return torch.where((i >= 0) & (i < extent), i, -1)
+    if len(i) and extent == 0:
+        raise ValueError(f"cannot pad an empty dim in {mode!r} mode")
+    if mode == "replicate":
+        return i.clamp(0, max(extent - 1, 0))
+    if mode == "circular":
+        return i.remainder(max(extent, 1))
+    if mode == "reflect":
+        if extent == 1:
+            return torch.zeros_like(i)
+        period = 2 * (extent - 1)
+        folded = i.remainder(period)
+        return torch.where(folded < extent, folded, period - folded)
+    raise ValueError(f"boundary mode must be one of {BOUNDARY_MODES}, got {mode!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class DimPlan:
+    """How this rank builds its window along one tensor dim.
+
+    ``send_index`` (local rows, destinations in group order) with
+    ``send_splits``/``recv_splits`` (rows per group rank) drive one
+    ``all_to_all_v`` over ``mesh_dim``; ``exchange`` is False when no rank of
+    the group needs a foreign row (then no collective is issued at all).
+    ``assembly`` indexes ``[local rows | received rows | one fill row]``;
+    ``identity`` says the window is exactly the local shard (nothing to do).
+    """
+
+    dim: int
+    mesh_dim: int | None
+    local_rows: int
+    send_index: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    assembly: torch.Tensor
+    exchange: bool
+    fill: bool
+    identity: bool
+
+    @property
+    def received_rows(self) -> int:
+        return sum(self.recv_splits)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_dim(
+    sizes: tuple[int, ...],
+    windows: tuple[tuple[int, int], ...],
+    me: int,
+    mode: str,
+    dim: int,
+    mesh_dim: int | None,
+) -> DimPlan:
+    """Plan the exchange along ``dim`` for group rank ``me``.
+
+    ``sizes[r]`` and ``windows[r]`` are shard ``r``'s extent and requested
+    window (global indices), for every rank of the group along ``mesh_dim``.
+    """
+    extent = sum(sizes)
+    starts = offsets_from_sizes(sizes)
+    ends = tuple(s + n for s, n in zip(starts, sizes))
+    sources = [source_rows(lo, hi, extent, mode) for lo, hi in windows]
+    foreign = [(s >= 0) & ((s < starts[r]) | (s >= ends[r])) for r, s in enumerate(sources)]
+    mine = slice(starts[me], ends[me])
+
+    sends = []
+    for r, (src, alien) in enumerate(zip(sources, foreign)):
+        wanted = src[alien & (src >= mine.start) & (src < mine.stop)]
+        sends.append(torch.unique(wanted) - mine.start)
+    received = torch.unique(sources[me][foreign[me]])
+    owners = torch.searchsorted(torch.tensor(ends), received, right=True)
+    recv_splits = tuple(torch.bincount(owners, minlength=len(sizes)).tolist())
+
+    src = sources[me]
+    local, n_recv = sizes[me], len(received)
+    assembly = torch.where(
+        src < 0,
+        local + n_recv,
+        torch.where(foreign[me], local + torch.searchsorted(received, src), src - mine.start),
+    )
+    exchange = any(bool(a.any()) for a in foreign)
+    fill = bool((src < 0).any())
+    return DimPlan(
+        dim=dim,
+        mesh_dim=mesh_dim,
+        local_rows=local,
+        send_index=torch.cat(sends),
+        send_splits=tuple(len(s) for s in sends),
+        recv_splits=recv_splits,
+        assembly=assembly,
+        exchange=exchange,
+        fill=fill,
+        identity=not exchange and not fill and torch.equal(assembly, torch.arange(local)),
+    )

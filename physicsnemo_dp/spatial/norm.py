@@ -1,0 +1,256 @@
+"""Normalization (batch, instance, group, layer) with statistics over every rank's data.
+
+All four are ``y = (x - mean) / sqrt(var + eps) * weight + bias`` with the
+statistics taken over a set of *reduced* dims:
+
+=============  ===========================================  ==================
+op             one statistic per                            reduced dims
+=============  ===========================================  ==================
+batch_norm     channel                                      batch and spatial
+instance_norm  (sample, channel)                            spatial
+group_norm     (sample, group)                              group's channels, spatial
+layer_norm     leading index                                the normalized dims
+=============  ===========================================  ==================
+
+Each rank sums over its local part of the reduced dims; an ``all_reduce`` over
+exactly the mesh dims that shard a reduced dim completes the sum (a mesh dim
+sharding only the batch dim of an instance norm, say, needs none). The
+variance is a second pass over the centred data (two small all-reduces of
+one value per statistic), which stays accurate for fields with a large mean,
+where ``E[x^2] - E[x]^2`` does not. Backward needs the sums of the gradient and
+of ``gradient * x_hat`` over the same dims: one more all-reduce of two values
+per statistic.
+
+Running statistics (``batch_norm`` in training, ``instance_norm`` with running
+stats) are updated in place from the all-reduced values, so every rank
+updates them identically (batch variance unbiased over the *global* count).
+In evaluation the stored statistics are used and nothing is communicated.
+
+``weight``/``bias`` gradients sum over the non-parameter dims: ``Partial`` over
+mesh dims sharding those, and for ``layer_norm`` over sharded normalized dims
+the gradient stays sharded like the input (``Shard``), each rank holding its
+box. Channels are unsharded first where statistics or groups span them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from .. import _layout, collectives
+from .._redistribute import grad_layout
+from ..dispatch.rules._common import replicated_to_box, shard_tensor_cls, to_layout, wrap
+from ..spec import ShardTensorSpec
+from ._window_op import meta_output, prepare_input, replicated
+
+
+@dataclass(frozen=True, eq=False)
+class _Stats:
+    """How one normalization reduces, from global metadata only."""
+
+    spec: ShardTensorSpec  # layout of x and y
+    groups: int | None  # group_norm: view channels as (groups, channels per group)
+    reduce_dims: tuple  # dims of the (grouped) local view one statistic covers
+    mesh_dims: tuple  # mesh dims whose shards share statistics
+    count: int  # elements per statistic, globally
+    eps: float
+    param_shape: tuple | None  # weight/bias broadcast shape against x
+    trailing_params: bool  # layer_norm: parameters are x's trailing dims (may be sharded)
+
+    def view(self, t):
+        if self.groups is None:
+            return t
+        return t.reshape(t.shape[0], self.groups, t.shape[1] // self.groups, *t.shape[2:])
+
+    def sum(self, t, stacked: bool = False):
+        """Global sum per statistic (``stacked``: over dim 0 lie several tensors to sum alike)."""
+        t = t.sum([d + stacked for d in self.reduce_dims], keepdim=True)
+        for m in self.mesh_dims:
+            t = collectives.all_reduce(t, "sum", self.spec.mesh, m)
+        return t
+
+
+def _local(t):
+    return None if t is None else t._local_tensor if isinstance(t, shard_tensor_cls()) else t
+
+
+class _Normalize(torch.autograd.Function):
+    """``(x, weight, bias, mean, var, stats) -> (y, x_hat, rstd, mean, var)``.
+
+    ``mean``/``var`` given (shaped to broadcast) means fixed statistics.
+    Outputs after ``y`` are local, non-differentiable, for backward and the
+    running-statistics update.
+    """
+
+    @staticmethod
+    def forward(x, weight, bias, mean, var, stats):
+        xl = stats.view(x._local_tensor)
+        if mean is None:
+            mean = stats.sum(xl) / stats.count
+            var = stats.sum((xl - mean).square()) / stats.count
+        rstd = (var + stats.eps).rsqrt()
+        x_hat = ((xl - mean) * rstd).reshape(x._local_tensor.shape)
+        y = x_hat
+        if weight is not None:
+            y = y * _param_box(weight, stats)
+        if bias is not None:
+            y = y + _param_box(bias, stats)
+        return wrap(y, stats.spec), x_hat, rstd, mean, var
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, mean, _, stats = inputs
+        _, x_hat, rstd, *_ = output
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(x_hat, rstd)
+        ctx.stats, ctx.fixed = stats, mean is not None
+        ctx.weight = None if weight is None else _param_box(weight, stats)
+        ctx.param_meta = [None if p is None else (tuple(p.shape), p.dtype) for p in (weight, bias)]
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        x_hat, rstd = ctx.saved_tensors
+        stats = ctx.stats
+        g = to_layout(grad, grad_layout(stats.spec)) if isinstance(grad, shard_tensor_cls()) else grad
+        g_hat = g if ctx.weight is None else g * ctx.weight
+        gv, xv = stats.view(g_hat), stats.view(x_hat)
+        if ctx.fixed:
+            gx = gv * rstd
+        else:
+            sums = stats.sum(torch.stack([gv, gv * xv]), stacked=True) / stats.count
+            gx = rstd * (gv - sums[0] - xv * sums[1])
+        grad_x = wrap(gx.reshape(g.shape), grad_layout(stats.spec))
+        grads = [_param_grad(g * x_hat, ctx.param_meta[0], stats), _param_grad(g, ctx.param_meta[1], stats)]
+        return grad_x, *grads, None, None, None
+
+
+def _param_box(p, stats: _Stats):
+    return replicated_to_box(_local(p).reshape(stats.param_shape), stats.spec)
+
+
+def _param_grad(t, meta, stats: _Stats):
+    """Sum ``t`` over the dims a parameter broadcasts along; wrap in the gradient layout."""
+    if meta is None:
+        return None
+    shape, dtype = meta
+    offset = t.ndim - len(stats.param_shape)
+    dims = [d for d in range(t.ndim) if d < offset or stats.param_shape[d - offset] == 1]
+    local = t.sum(dims, keepdim=True)
+    local = local.reshape(local.shape[offset:] if stats.trailing_params else (-1,))
+    placements, tables = [], [None] * len(shape)
+    for m, p in enumerate(stats.spec.placements):
+        if p.is_shard() and stats.trailing_params and p.dim >= offset:
+            placements.append(Shard(p.dim - offset))
+            tables[p.dim - offset] = stats.spec.dim_sizes[p.dim]
+        else:
+            placements.append(Partial() if p.is_shard() else Replicate())
+    return wrap(local, ShardTensorSpec.from_sizes(stats.spec.mesh, placements, shape, dtype, tuple(tables)))
+
+
+def _stats(x, reduce_dims, view_dims=None, groups=None, eps=1e-5, param_shape=None, trailing=False) -> _Stats:
+    """Statistics over ``reduce_dims`` of ``x`` (``view_dims``: the same dims in the grouped view)."""
+    spec = x._spec
+    shape = spec.global_shape
+    mesh_dims = tuple(sorted({m for d in reduce_dims for m in _layout.sharding_mesh_dims(spec.placements, d) if spec.mesh.size(m) > 1}))
+    count = prod(shape[d] for d in reduce_dims) // (groups or 1)
+    return _Stats(spec, groups, tuple(view_dims or reduce_dims), mesh_dims, count, eps, param_shape, trailing)
+
+
+def _normalize(x, weight, bias, stats, mean=None, var=None):
+    y, _, _, mean, var = _Normalize.apply(x, replicated(weight), replicated(bias), mean, var, stats)
+    return y, mean, var
+
+
+def _update(running, value, momentum):
+    """In-place running-statistics update (the local tensor shares the module buffer's storage)."""
+    local = _local(running)
+    local.mul_(1 - momentum).add_(value.reshape(local.shape).to(local.dtype), alpha=momentum)
+
+
+def _channel_shape(x):
+    return (x.shape[1], *([1] * (x.ndim - 2)))
+
+
+# --------------------------------------------------------------------------- #
+# Handlers
+# --------------------------------------------------------------------------- #
+def _batch_norm(func, types, args, kwargs):
+    meta_output(func, args, kwargs)
+    x, running_mean, running_var, weight, bias, training, momentum, eps = _bn_args(*args, **kwargs)
+    x = prepare_input(x, (), whole_dims=(1,))
+    reduce = tuple(d for d in range(x.ndim) if d != 1)
+    stats = _stats(x, reduce, eps=eps, param_shape=_channel_shape(x))
+    if not training:
+        shape = (1, *_channel_shape(x))
+        y, _, _ = _normalize(x, weight, bias, stats, _local(running_mean).reshape(shape), _local(running_var).reshape(shape))
+        return y
+    y, mean, var = _normalize(x, weight, bias, stats)
+    if running_mean is not None:
+        _update(running_mean, mean, momentum)
+        _update(running_var, var * stats.count / max(stats.count - 1, 1), momentum)
+    return y
+
+
+def _bn_args(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    return input, running_mean, running_var, weight, bias, training, momentum, eps
+
+
+def _instance_norm(func, types, args, kwargs):
+    meta_output(func, args, kwargs)
+    x, running_mean, running_var, weight, bias, use_input_stats, momentum, eps = _in_args(*args, **kwargs)
+    x = prepare_input(x, (), whole_dims=(1,))
+    stats = _stats(x, tuple(range(2, x.ndim)), eps=eps, param_shape=_channel_shape(x))
+    if not use_input_stats:
+        shape = (1, *_channel_shape(x))
+        y, _, _ = _normalize(x, weight, bias, stats, _local(running_mean).reshape(shape), _local(running_var).reshape(shape))
+        return y
+    y, mean, var = _normalize(x, weight, bias, stats)
+    if running_mean is not None:
+        pair = torch.stack([mean, var * stats.count / max(stats.count - 1, 1)])
+        per_channel = _stats(x, (0,)).sum(pair, stacked=True) / x.shape[0]
+        _update(running_mean, per_channel[0], momentum)
+        _update(running_var, per_channel[1], momentum)
+    return y
+
+
+def _in_args(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, momentum=0.1, eps=1e-5):
+    return input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+
+
+def _group_norm(func, types, args, kwargs):
+    meta_output(func, args, kwargs)
+    x, groups, weight, bias, eps = _gn_args(*args, **kwargs)
+    x = prepare_input(x, (), whole_dims=(1,))
+    reduce = tuple(range(1, x.ndim))
+    stats = _stats(x, reduce, tuple(range(2, x.ndim + 1)), groups, eps, _channel_shape(x))
+    return _normalize(x, weight, bias, stats)[0]
+
+
+def _gn_args(input, num_groups, weight=None, bias=None, eps=1e-5):
+    return input, num_groups, weight, bias, eps
+
+
+def _layer_norm(func, types, args, kwargs):
+    meta_output(func, args, kwargs)
+    x, normalized_shape, weight, bias, eps = _ln_args(*args, **kwargs)
+    x = prepare_input(x, ())
+    k = len(normalized_shape)
+    stats = _stats(x, tuple(range(x.ndim - k, x.ndim)), eps=eps, param_shape=tuple(normalized_shape), trailing=True)
+    return _normalize(x, weight, bias, stats)[0]
+
+
+def _ln_args(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return input, shape, weight, bias, eps
+
+
+FUNCTIONS = {
+    F.batch_norm: _batch_norm,
+    F.instance_norm: _instance_norm,
+    F.group_norm: _group_norm,
+    F.layer_norm: _layer_norm,
+}

@@ -181,10 +181,28 @@ def _library_functions() -> dict:
     return table
 
 
+def _as_output_grads(outputs, grads):
+    """A plain gradient given for a ShardTensor output is the full gradient on every rank: Replicate."""
+    ShardTensor = _shard_tensor_cls()
+    from torch.distributed.tensor.placement_types import Replicate
+
+    from ..spec import ShardTensorSpec
+
+    out = []
+    for t, g in zip(outputs, grads):
+        if isinstance(t, ShardTensor) and isinstance(g, torch.Tensor) and not isinstance(g, ShardTensor):
+            mesh = t._spec.mesh
+            spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, tuple(g.shape), g.dtype)
+            g = ShardTensor(g, spec, requires_grad=False)
+        out.append(g)
+    return tuple(out)
+
+
 def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
     if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
         grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+    grad_tensors = _as_output_grads(tensors, grad_tensors)
     run_autograd_engine(
         tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph,
         inputs=inputs or (), accumulate_grad=True,
@@ -203,6 +221,7 @@ def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fa
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
         grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
+    grad_outputs = _as_output_grads(outputs, grad_outputs)
     result = run_autograd_engine(
         outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
         inputs=inputs, accumulate_grad=False, allow_unused=bool(allow_unused or materialize_grads),

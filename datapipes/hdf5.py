@@ -1,0 +1,219 @@
+"""Structured fields stored in HDF5, read one rank's hyperslab at a time.
+
+Three layouts are understood (``layout=``):
+
+* ``"stacked"`` — each variable is one dataset ``/<var>`` with a leading
+  sample dim, ``(n_samples, *grid)``. Several files are concatenated.
+* ``"groups"`` — one group per sample, ``/<group>/<var>`` of shape ``grid``
+  (all top-level groups in name order unless ``groups=`` lists them).
+* ``"files"`` — one file per sample, ``/<var>`` of shape ``grid``.
+
+Each read is one ``Dataset.read_direct`` of the rank's box (halo included)
+into a buffer the pipe preallocated, so no temporary array is created and the
+bytes requested from h5py are exactly the box's. ``dtype=`` converts while
+reading (HDF5 does it in its own loop), e.g. float64 files to float32.
+
+Chunking advice
+---------------
+A read touches every HDF5 chunk its box intersects, and a compressed chunk is
+decompressed whole. Rank slabs therefore cost no more than their own bytes
+only when chunk boundaries fall on shard boundaries:
+
+* contiguous (unchunked) datasets are always aligned; use them for data
+  written once and read as slabs, without compression;
+* chunked datasets should use :func:`aligned_chunks`: along each split dim the
+  chunk extent divides every shard boundary (for a split of 1024 rows over 4
+  ranks any divisor of 256), along other dims anything;
+* a halo reaches into the neighbour's chunk and decompresses all of it
+  (measured here: a 2-row halo with 256-row gzip chunks cost 2.4x the slab),
+  so with halos keep chunks thin along split dims or skip compression;
+* keep the sample dim's chunk extent at 1 so a sample is read alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+from math import gcd, prod
+from typing import Sequence
+
+import h5py
+import numpy as np
+
+from ._files import expand_paths, open_h5
+from .decomposition import DomainDecomposition
+from .errors import DataPipeError, MissingDataError
+from .source import Box, GridSource
+
+__all__ = ["HDF5Fields", "aligned_chunks"]
+
+LAYOUTS = ("stacked", "groups", "files")
+
+
+class HDF5Fields(GridSource):
+    """Grid variables of many samples in HDF5 files (see the module docs for layouts).
+
+    Args:
+        paths: a file, a glob pattern, or a sequence of them (sorted when globbed).
+        variables: names of the datasets to read, one per variable.
+        layout: ``"stacked"``, ``"groups"`` or ``"files"``.
+        groups: with ``layout="groups"``, the sample groups in order (default:
+            every top-level group of each file, sorted by name).
+        dtype: read every variable as this dtype (default: each dataset's own).
+
+    Every file is opened once here to check that the variables exist and share
+    one grid shape; errors name the file, the variable and the shapes.
+    """
+
+    def __init__(self, paths, variables: Sequence[str], *, layout: str = "stacked",
+                 groups: Sequence[str] | None = None, dtype=None):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if groups is not None and layout != "groups":
+            raise ValueError('groups= only applies to layout="groups"')
+        self.variables = tuple(variables)
+        if not self.variables:
+            raise ValueError("variables must name at least one dataset")
+        self.paths = expand_paths(paths)
+        self.layout = layout
+        self._samples: list[tuple[int, str]] = []  # "groups"/"files": (file index, group prefix)
+        self._starts: list[int] = [0]  # "stacked": first sample of each file
+        self._dtypes = {}
+        self.sample_shape = None
+        for file_index, path in enumerate(self.paths):
+            self._scan(file_index, path, groups, dtype)
+        if len(self) == 0:
+            raise DataPipeError(f"{self}: the files hold no samples")
+
+    # ---------------------------------------------------------------- scan
+    def _scan(self, file_index: int, path: str, groups, dtype) -> None:
+        with open_h5(path) as f:
+            if self.layout == "stacked":
+                n = None
+                for var in self.variables:
+                    dset = _dataset(f, path, "", var)
+                    if dset.ndim < 1 or (n is not None and dset.shape[0] != n):
+                        raise DataPipeError(
+                            f"{path}: dataset '{var}' has shape {dset.shape}; with layout='stacked' "
+                            f"every variable needs the same leading sample dim ({n} samples)"
+                        )
+                    n = dset.shape[0]
+                    self._note(var, dset, dset.shape[1:], f"{path}:/{var}", dtype)
+                self._starts.append(self._starts[-1] + n)
+                return
+            prefixes = [""] if self.layout == "files" else _groups(f, path, groups)
+            for prefix in prefixes:
+                for var in self.variables:
+                    dset = _dataset(f, path, prefix, var)
+                    self._note(var, dset, dset.shape, f"{path}:/{prefix}{var}", dtype)
+                self._samples.append((file_index, prefix))
+
+    def _note(self, var: str, dset: h5py.Dataset, shape, where: str, dtype) -> None:
+        """Record the first sample's grid shape and dtypes; check later samples against them."""
+        if self.sample_shape is None:
+            self.sample_shape = tuple(shape)
+        self._check_shape(shape, f"dataset {where} (shape {dset.shape})")
+        self._dtypes.setdefault(var, np.dtype(dtype or dset.dtype))
+
+    # ------------------------------------------------------------- locate
+    def __len__(self) -> int:
+        return self._starts[-1] if self.layout == "stacked" else len(self._samples)
+
+    def _locate(self, index: int) -> tuple[int, str, int | None]:
+        """``(file index, group prefix, index along the leading dim or None)``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} is out of range for {self} ({len(self)} samples)")
+        if self.layout == "stacked":
+            file_index = bisect.bisect_right(self._starts, index) - 1
+            return file_index, "", index - self._starts[file_index]
+        file_index, prefix = self._samples[index]
+        return file_index, prefix, None
+
+    def where(self, index: int, variable: str) -> str:
+        file_index, prefix, lead = self._locate(index)
+        at = "" if lead is None else f"[{lead}]"
+        return (f"variable '{variable}' of sample {index} ({self.paths[file_index]}:/{prefix}{variable}{at}, "
+                f"sample shape {self.sample_shape})")
+
+    # ---------------------------------------------------------------- read
+    def read(self, index: int, variable: str, box: Box, out: np.ndarray) -> int:
+        file_index, prefix, lead = self._locate(index)
+        handles = self._handles()
+        key = (file_index, prefix + variable)
+        if key not in handles:
+            path = self.paths[file_index]
+            if path not in handles:
+                handles[path] = open_h5(path)
+            handles[key] = handles[path][prefix + variable]
+        dset = handles[key]
+        if out.size:
+            dset.read_direct(out, source_sel=box if lead is None else (lead, *box))
+        return out.size * dset.dtype.itemsize
+
+    def close(self) -> None:
+        for handle in self._handles().values():
+            if isinstance(handle, h5py.File):
+                handle.close()
+        super().close()
+
+    def __repr__(self) -> str:
+        more = f" and {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
+        return f"HDF5Fields({self.paths[0]}{more}, layout={self.layout!r})"
+
+
+def aligned_chunks(decomposition: DomainDecomposition, *, itemsize: int, leading: Sequence[int] = (1,),
+                   max_bytes: int = 4 << 20) -> tuple[int, ...]:
+    """An HDF5 chunk shape whose boundaries fall on the decomposition's shard boundaries.
+
+    Along each split dim the extent divides every interior shard boundary;
+    the chunk is then shrunk (largest dim first, split dims by divisors only)
+    until it holds at most ``max_bytes``. ``leading`` is prepended (1 for the
+    sample dim of a stacked dataset).
+    """
+    chunk = list(decomposition.global_shape)
+    split = set(decomposition.split_dims)
+    for d, sizes in zip(decomposition.split_dims, decomposition.sizes):
+        boundaries = [b for b in np.cumsum(sizes[:-1]).tolist() if 0 < b < chunk[d]]
+        step = 0
+        for b in boundaries:
+            step = gcd(step, b)
+        chunk[d] = step or chunk[d]
+    chunk = [max(1, c) for c in chunk]
+    while prod(chunk) * itemsize > max_bytes and max(chunk) > 1:
+        d = max(range(len(chunk)), key=lambda k: chunk[k])
+        chunk[d] = chunk[d] // _smallest_factor(chunk[d]) if d in split else -(-chunk[d] // 2)
+    return (*leading, *chunk)
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+def _dataset(f: h5py.File, path: str, prefix: str, var: str) -> h5py.Dataset:
+    name = prefix + var
+    obj = f.get(name)
+    if obj is None:
+        parent = f[prefix] if prefix else f
+        found = sorted(k for k, v in parent.items() if isinstance(v, h5py.Dataset))
+        raise MissingDataError(f"{path}: no variable '{var}' in /{prefix} (datasets there: {found})")
+    if not isinstance(obj, h5py.Dataset):
+        raise DataPipeError(f"{path}: /{name} is a group, not a dataset holding variable '{var}'")
+    return obj
+
+
+def _groups(f: h5py.File, path: str, groups) -> list[str]:
+    if groups is None:
+        names = sorted(k for k, v in f.items() if isinstance(v, h5py.Group))
+    else:
+        names = [str(g).strip("/") for g in groups]
+        missing = [g for g in names if not isinstance(f.get(g), h5py.Group)]
+        if missing:
+            raise MissingDataError(f"{path}: no sample group(s) {missing}")
+    return [f"{name}/" for name in names]
+
+
+def _smallest_factor(n: int) -> int:
+    k = 2
+    while k * k <= n:
+        if n % k == 0:
+            return k
+        k += 1
+    return n

@@ -1,0 +1,290 @@
+"""``DomainPipe``: batches of ShardTensors, each rank reading only its own piece.
+
+What a rank does per batch, and why no communication is needed:
+
+1. The ddp rank picks its samples from the shared-seed order
+   (:class:`~datapipes.sampler.SampleOrder`); every domain rank of the ddp
+   group computes the same list.
+2. The source's decomposition (:class:`~datapipes.decomposition.DomainDecomposition`)
+   gives this rank's box (plus halo) and every other rank's shape.
+3. A reader (in-process, thread, or a forked process) reads the box of every
+   variable of every sample straight into a pooled buffer and applies the
+   transforms there (:mod:`datapipes.prefetch`), ``prefetch`` batches ahead.
+4. The buffer is wrapped without a copy, moved to the device, and each
+   variable becomes ``ShardTensor.from_local(..., sharding_shapes=...)`` with
+   the shapes from step 2: no collective is issued.
+
+Output layout: each batch is a :class:`Batch`, a dict from variable name to a
+ShardTensor of shape ``(batch, *sample shape)`` on the *domain* mesh (the
+sub-mesh without the ddp dim), sharded on the sample dims the decomposition
+splits. Each ddp group holds different samples, as DDP expects.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from functools import lru_cache
+from typing import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from physicsnemo_dp import ShardTensor
+
+from ._axes import MeshAxes
+from ._buffers import BufferPool, layout_arrays
+from .decomposition import DomainDecomposition
+from .errors import DataPipeError
+from .prefetch import ReadTask, make_reader
+from .sampler import SampleOrder
+from .source import Source, Split
+
+__all__ = ["Batch", "DomainPipe"]
+
+
+class Batch(dict):
+    """Variable name -> ShardTensor ``(batch, *sample shape)``, plus this rank's extras.
+
+    Attributes:
+        samples: dataset indices of the batch's samples, in batch order.
+        padded: variable -> this rank's local tensor *with* its halo (a plain
+            tensor; the ShardTensor's local data is a view of its interior).
+        halo: variable -> ``(before, after)`` halo cells per sample dim.
+    """
+
+    def __init__(self, samples: tuple[int, ...]):
+        super().__init__()
+        self.samples = samples
+        self.padded: dict[str, torch.Tensor] = {}
+        self.halo: dict[str, tuple[tuple[int, int], ...]] = {}
+
+
+class DomainPipe:
+    """Iterate a source's samples as ShardTensors split over the domain mesh.
+
+    Args:
+        source: a :class:`~datapipes.source.Source` (HDF5, xarray, mesh).
+        mesh: a 1-D domain mesh, or a mesh with a ``ddp_dim`` dim (samples)
+            and one or two domain dims (see :class:`~datapipes._axes.MeshAxes`).
+        batch_size: samples per batch *per ddp rank*.
+        shuffle, seed, drop_last: sample order (see :mod:`datapipes.sampler`).
+        split_dims, halo, sizes: how a grid sample is split (see
+            :class:`~datapipes.decomposition.DomainDecomposition`); meshes
+            always split their point dim.
+        transforms: callables ``f(tensors)`` run by the reader on each batch's
+            halo-padded local tensors, in place (e.g. :class:`~datapipes.statistics.Normalize`).
+        prefetch: batches read ahead in the background; 0 reads in the caller.
+        workers: ``"process"`` (default; one forked reader per rank, not
+            serialized by h5py's lock) or ``"thread"``.
+        device: where batches go (default: the mesh's device type).
+        validate: raise :class:`~datapipes.errors.InvalidValuesError` on NaN/inf.
+        ddp_dim: name of the mesh dim that splits samples.
+
+    Batches view pooled buffers; a buffer is reused only after every tensor of
+    its batch is gone, so keeping a batch is safe (it just costs memory).
+    """
+
+    def __init__(self, source: Source, mesh: DeviceMesh, *, batch_size: int = 1, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, split_dims: Sequence[int] | None = None,
+                 halo: int | Sequence[int] = 0, sizes=None, transforms: Sequence[Callable] = (),
+                 prefetch: int = 2, workers: str = "process", device=None, validate: bool = False,
+                 ddp_dim: str = "ddp"):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if workers not in ("process", "thread"):
+            raise ValueError(f'workers must be "process" or "thread", got {workers!r}')
+        self.source = source
+        self.axes = MeshAxes.from_mesh(mesh, ddp_dim)
+        ndim = len(self.axes.domain_shape)
+        self.split = Split(
+            None if split_dims is None else tuple(split_dims),
+            halo if isinstance(halo, int) else tuple(halo),
+            _freeze_sizes(sizes, ndim),
+        )
+        self.order = SampleOrder(len(source), batch_size, self.axes.ddp_size, self.axes.ddp_rank,
+                                 shuffle, seed, drop_last)
+        self.prefetch = int(prefetch)
+        self.workers = "inline" if prefetch == 0 else workers
+        self.transforms = tuple(transforms)
+        self.validate = validate
+        self.device = torch.device(device if device is not None else self.axes.domain_mesh.device_type)
+        self.bytes_read = 0  # bytes this rank requested from the source, all epochs
+        self._epoch = 0
+        self._position = 0  # batches of the current epoch already yielded
+        self._seq = 0
+        # in flight, plus the batch the consumer holds and the one the iterator hands out next
+        self._pool = BufferPool(shared=self.workers == "process", max_idle=self.prefetch + 2)
+        self._reader: list = [None]  # started by the first iteration; a list so the finalizer sees it
+        self._closer = weakref.finalize(self, _close, self._pool, self._reader)
+        self.decompose(0)  # a bad split fails here, not in the first batch
+
+    # ----------------------------------------------------------- layout
+    def decompose(self, index: int) -> dict[str, DomainDecomposition]:
+        """Decomposition of every variable of sample ``index`` over the domain mesh."""
+        return self.source.decompose(index, self.axes.domain_shape, self.split)
+
+    def local_coords(self, halo: bool = False) -> dict[str, np.ndarray]:
+        """Coordinates of this rank's cells (grid sources that store coordinates)."""
+        dec = next(iter(self.decompose(0).values()))
+        return self.source.coords(dec.box(self.axes.domain_coord, halo))
+
+    # ------------------------------------------------------------ epochs
+    def __len__(self) -> int:
+        return self.order.num_batches()
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order. Switching epochs restarts at the first batch; the same epoch keeps its position."""
+        if epoch != self._epoch:
+            self._epoch, self._position = int(epoch), 0
+
+    def state_dict(self) -> dict:
+        """Position to resume from: the epoch and the batches already yielded in it."""
+        o = self.order
+        return {"epoch": self._epoch, "position": self._position, "num_samples": o.num_samples,
+                "batch_size": o.batch_size, "ddp_size": o.ddp_size, "shuffle": o.shuffle,
+                "seed": o.seed, "drop_last": o.drop_last}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue exactly where ``state`` was taken (the same order settings are required)."""
+        mine = self.state_dict()
+        differ = {k: (state.get(k), mine[k]) for k in mine if k not in ("epoch", "position") and state.get(k) != mine[k]}
+        if differ:
+            raise ValueError(f"state_dict was taken with other order settings (saved, now): {differ}")
+        if not 0 <= state["position"] <= len(self):
+            raise ValueError(f"position {state['position']} is outside an epoch of {len(self)} batches")
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, start = self._epoch, self._position
+        batches = self.order.batches(epoch)
+        reader = self._start_reader()
+        inflight: deque = deque()
+        submitted = start
+        try:
+            for k in range(start, len(batches)):
+                while submitted < len(batches) and len(inflight) < max(1, self.prefetch):
+                    inflight.append(self._submit(reader, batches[submitted]))
+                    submitted += 1
+                task, buffer, pieces = inflight.popleft()
+                try:
+                    self.bytes_read += reader.result()
+                except BaseException:
+                    self._pool.release(buffer)
+                    raise
+                batch = self._wrap(task, buffer, pieces)
+                self._position = k + 1
+                yield batch
+                del batch  # the frame must not keep the consumer's last batch (and its buffer) alive
+            self._epoch, self._position = epoch + 1, 0
+        finally:
+            self._drain(reader, inflight)
+
+    def close(self) -> None:
+        """Stop the reader and free idle buffers (also done when the pipe is garbage-collected)."""
+        self._closer()
+
+    def __enter__(self) -> "DomainPipe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- internals
+    def _start_reader(self):
+        if not self._closer.alive:
+            raise RuntimeError("this DomainPipe is closed")
+        if self._reader[0] is None:
+            self._reader[0] = make_reader(self.workers, self.source, self.transforms, self.validate)
+        return self._reader[0]
+
+    def _submit(self, reader, samples: tuple[int, ...]):
+        decs = [self.decompose(i) for i in samples]
+        first = decs[0]
+        for dec in decs[1:]:
+            for name, d in dec.items():
+                if d is not first[name] and (d.global_shape, d.sizes) != (first[name].global_shape, first[name].sizes):
+                    raise DataPipeError(
+                        f"batch_size={len(samples)} needs samples whose variables split alike: "
+                        f"{d.label} splits as {d.sizes}, but {first[name].label} as {first[name].sizes}; "
+                        "use batch_size=1 for samples of different shapes"
+                    )
+        coord = self.axes.domain_coord
+        pieces = {name: _piece(d, coord) for name, d in first.items()}
+        specs, nbytes = layout_arrays(
+            {name: ((len(samples), *p.shape), self.source.dtype(name)) for name, p in pieces.items()}
+        )
+        buffer = self._pool.acquire(nbytes)
+        self._seq += 1
+        boxes = tuple({name: _piece(d, coord).box for name, d in dec.items()} for dec in decs)
+        task = ReadTask(self._seq, buffer.name, specs, tuple(samples), boxes, self._pool.take_freed_names())
+        reader.submit(task, buffer.memory)
+        return task, buffer, pieces
+
+    def _wrap(self, task: ReadTask, buffer, pieces: dict[str, "_Piece"]) -> Batch:
+        arrays = self._pool.hand_out(buffer, task.arrays)
+        batch = Batch(task.samples)
+        rows = len(task.samples)
+        for name, piece in pieces.items():
+            padded = torch.from_numpy(arrays[name])
+            if padded.device != self.device:
+                padded = padded.to(self.device, non_blocking=True)
+            batch[name] = ShardTensor.from_local(
+                padded[piece.interior], self.axes.domain_mesh, piece.placements,
+                sharding_shapes=piece.sharding_shapes(rows),
+            )
+            batch.padded[name] = padded
+            batch.halo[name] = piece.halo
+        return batch
+
+    def _drain(self, reader, inflight: deque) -> None:
+        """Wait for reads still in flight (an iteration stopped early) and recycle their buffers."""
+        while inflight:
+            _, buffer, _ = inflight.popleft()
+            try:
+                reader.result()
+            except Exception:  # the consumer stopped; an error of an unused batch is moot
+                pass
+            self._pool.release(buffer)
+
+
+class _Piece:
+    """One rank's share of a variable's decomposition, precomputed once for every batch that uses it."""
+
+    def __init__(self, dec: DomainDecomposition, coord: tuple[int, ...]):
+        self.box = dec.box(coord, halo=True)  # read box in the sample, halo included
+        self.shape = dec.local_shape(coord, halo=True)
+        self.interior = (slice(None), *dec.interior(coord))  # the ShardTensor's part of the buffer
+        self.halo = dec.halo_widths(coord)
+        self.placements = dec.placements(1)
+        self._dec, self._coord = dec, coord
+        self._sharding: dict[int, dict] = {}
+
+    def sharding_shapes(self, rows: int) -> dict:
+        """``sharding_shapes`` for a local batch of ``rows`` samples."""
+        if rows not in self._sharding:
+            self._sharding[rows] = self._dec.sharding_shapes(self._coord, leading=(rows,))
+        return self._sharding[rows]
+
+
+_piece = lru_cache(maxsize=4096)(_Piece)
+
+
+def _close(pool: BufferPool, reader: list) -> None:
+    if reader[0] is not None:
+        reader[0].close()
+    pool.close()
+
+
+def _freeze_sizes(sizes, ndim: int):
+    """Hashable per-mesh-dim sizes (``None`` entries keep the split rule)."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, Mapping):
+        sizes = [sizes.get(m) for m in range(ndim)]
+    return tuple(None if s is None else tuple(int(x) for x in s) for s in sizes)

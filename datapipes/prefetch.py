@@ -1,0 +1,249 @@
+"""Filling batch buffers: in the caller, in a background thread, or in a reader process.
+
+h5py serializes every call in a process under one global lock, so reader
+threads never read in parallel with each other or with h5py use elsewhere in
+the process. HDF5 itself runs without the GIL, but the Python glue around each
+read needs it: a training loop that holds the GIL makes a reader thread wait
+up to the interpreter's switch interval (5 ms) at every hand-off. A reader
+*process* per rank has its own HDF5 library, lock and GIL: it reads into
+shared memory while the training process computes, and the batch reaches the
+training process without a copy (the buffer is shared; see
+:mod:`datapipes._buffers`). Measured figures are in ``datapipes/README.md``.
+
+All three readers run the same :func:`fill` and answer in submission order.
+The reader process is forked, like ``torch.utils.data.DataLoader`` workers,
+so the source and the transforms need not pickle; sources never use a file
+handle opened before the fork (see :class:`datapipes.source.Source`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ._buffers import ArraySpec, view_arrays
+from .errors import InvalidValuesError
+from .source import Box, Source
+
+__all__ = ["ReadTask", "fill", "make_reader", "READERS"]
+
+Transform = Callable[[dict[str, torch.Tensor]], None]
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """Read ``samples`` (one box per variable each) into the arrays of one buffer."""
+
+    seq: int
+    buffer: str | None  # shared-memory name, for the reader process
+    arrays: tuple[ArraySpec, ...]  # (batch, *local shape with halo) per variable
+    samples: tuple[int, ...]
+    boxes: tuple[dict[str, Box], ...]  # per sample: variable -> box (halo included)
+    detach: tuple[str, ...] = ()  # shared buffers the parent freed; the reader process forgets them
+
+
+def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform], validate: bool) -> int:
+    """Read every sample of ``task`` into ``memory``, check and transform it; return bytes read."""
+    arrays = view_arrays(memory, task.arrays)
+    nbytes = 0
+    for row, (index, boxes) in enumerate(zip(task.samples, task.boxes)):
+        for name, array in arrays.items():
+            nbytes += source.read(index, name, boxes[name], array[row])
+            if validate:
+                _check_finite(array[row], source, index, name, boxes[name])
+    if transforms:
+        tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        for transform in transforms:
+            transform(tensors)
+    return nbytes
+
+
+def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box: Box) -> None:
+    if not np.issubdtype(values.dtype, np.inexact):
+        return
+    bad = ~np.isfinite(values)
+    if bad.any():
+        first = tuple(int(i) + s.start for i, s in zip(np.argwhere(bad)[0], box))
+        raise InvalidValuesError(
+            f"{source.where(index, name)}: {int(bad.sum())} NaN or infinite value(s) in the box "
+            f"{tuple((s.start, s.stop) for s in box)} of shape {values.shape}; the first at index {first}"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Readers: submit(task, memory) in order, result() -> bytes read, in order
+# --------------------------------------------------------------------------- #
+class _InlineReader:
+    """Reads when the result is asked for: no background work (``prefetch=0``)."""
+
+    def __init__(self, source, transforms, validate):
+        self._args = (source, transforms, validate)
+        self._pending: list = []
+
+    def submit(self, task: ReadTask, memory) -> None:
+        self._pending.append((task, memory))
+
+    def result(self) -> int:
+        task, memory = self._pending.pop(0)
+        source, transforms, validate = self._args
+        return fill(source, task, memory, transforms, validate)
+
+    def close(self) -> None:
+        self._pending.clear()
+
+
+class _ThreadReader:
+    """One background thread per pipe."""
+
+    def __init__(self, source, transforms, validate):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._serve, args=(source, transforms, validate), name="datapipes-reader", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, source, transforms, validate) -> None:
+        while (item := self._tasks.get()) is not None:
+            task, memory = item
+            try:
+                self._results.put((fill(source, task, memory, transforms, validate), None))
+            except Exception as err:  # handed to the consumer, which raises it
+                self._results.put((0, err))
+
+    def submit(self, task: ReadTask, memory) -> None:
+        self._tasks.put((task, memory))
+
+    def result(self) -> int:
+        nbytes, err = self._results.get()
+        if err is not None:
+            raise err
+        return nbytes
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join()
+
+
+class _ProcessReader:
+    """One forked reader process per pipe, filling shared-memory buffers.
+
+    Forked with ``os.fork`` rather than ``multiprocessing.Process``, which
+    refuses to start children from daemonic processes (such as the ranks of
+    ``physicsnemo_dp.launch``); the reader dies with its parent instead
+    (``PR_SET_PDEATHSIG`` on Linux, a parent check elsewhere).
+    """
+
+    def __init__(self, source, transforms, validate):
+        self._conn, child = multiprocessing.Pipe()
+        parent = os.getpid()
+        self._pid = os.fork()
+        if self._pid == 0:  # the reader process: never returns
+            code = 1
+            try:
+                self._conn.close()
+                _detach_from(parent)
+                _serve_process(child, source, transforms, validate, parent)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        child.close()
+
+    def submit(self, task: ReadTask, memory) -> None:
+        self._conn.send(task)
+
+    def result(self) -> int:
+        try:
+            nbytes, err, where = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the datapipes reader process (pid {self._pid}) died ({self._exit_status()})") from None
+        if err is not None:
+            err.add_note(f"raised in the datapipes reader process:\n{where}")
+            raise err
+        return nbytes
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:  # the process is gone already
+            pass
+        deadline = time.monotonic() + 5
+        while os.waitpid(self._pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(self._pid, signal.SIGKILL)
+                os.waitpid(self._pid, 0)
+                break
+            time.sleep(0.01)
+        self._conn.close()
+
+    def _exit_status(self) -> str:
+        pid, status = os.waitpid(self._pid, os.WNOHANG)
+        return "still running" if pid == 0 else f"wait status {status}"
+
+
+def _detach_from(parent: int) -> None:
+    """In the reader: die with the parent, and leave Ctrl-C to it (it closes the reader)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _serve_process(conn, source, transforms, validate, parent_pid: int) -> None:
+    """Reader process body: fill buffers until told to stop or the parent is gone."""
+    torch.set_num_threads(1)  # the training process owns the cores
+    attached: dict[str, shared_memory.SharedMemory] = {}
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent_pid:
+                return
+            continue
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        for name in task.detach:
+            if name in attached:
+                attached.pop(name).close()
+        if task.buffer not in attached:
+            attached[task.buffer] = shared_memory.SharedMemory(name=task.buffer)
+        try:
+            conn.send((fill(source, task, attached[task.buffer].buf, transforms, validate), None, ""))
+        except Exception as err:
+            conn.send((0, _portable(err), traceback.format_exc()))
+
+
+def _portable(err: Exception) -> Exception:
+    """The exception itself if it pickles, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+READERS = {"inline": _InlineReader, "thread": _ThreadReader, "process": _ProcessReader}
+
+
+def make_reader(kind: str, source: Source, transforms: Sequence[Transform], validate: bool):
+    """A reader of ``kind`` (``"inline"``, ``"thread"`` or ``"process"``)."""
+    return READERS[kind](source, tuple(transforms), validate)

@@ -238,3 +238,58 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+# --------------------------------------------------------------------------- #
+# Point-to-point (ring schedules)
+# --------------------------------------------------------------------------- #
+@dataclass
+class Exchange:
+    """A posted :func:`send_recv`: call :meth:`wait` before reading what arrives.
+
+    Holding the handle lets a ring schedule post the next block's transfer,
+    compute on the current block, and only then wait.
+    """
+
+    received: list
+    works: list
+    sent: list = field(default_factory=list)  # keeps send buffers alive until wait()
+
+    def wait(self) -> list:
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], []
+        return self.received
+
+
+def send_recv(
+    send: Sequence[torch.Tensor],
+    to_rank: int,
+    recv_like: Sequence[tuple],
+    from_rank: int,
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    tag: int = 0,
+) -> Exchange:
+    """Post sends of ``send`` to group rank ``to_rank`` and receives from ``from_rank``.
+
+    ``recv_like`` lists ``(shape, dtype)`` of the tensors that arrive (the
+    receiver always knows them from the layout, so nothing but payload moves).
+    Ranks are ranks within ``mesh_dim``'s group, both other than this rank
+    (a group of one has nothing to exchange). Empty tensors are not
+    transmitted, on either side, so uneven layouts with empty shards need no
+    special casing. Uses ``batch_isend_irecv`` (gloo and NCCL alike); ``tag``
+    keeps two outstanding exchanges between the same ranks apart on backends
+    that match by tag. Eager only: this has no graph representation.
+    """
+    received = [torch.empty(tuple(shape), dtype=dtype, device=mesh_device(mesh)) for shape, dtype in recv_like]
+    sent = [t.contiguous() for t in send if t.numel()]
+    _record("send_recv", sum(_nbytes(t.numel(), t.dtype) for t in sent), sum(_nbytes(t.numel(), t.dtype) for t in received))
+    group = mesh.get_group(mesh_dim)
+    ops = [torch.distributed.P2POp(torch.distributed.isend, t, group=group, group_peer=to_rank, tag=tag) for t in sent]
+    ops += [
+        torch.distributed.P2POp(torch.distributed.irecv, t, group=group, group_peer=from_rank, tag=tag)
+        for t in received
+        if t.numel()
+    ]
+    return Exchange(received, torch.distributed.batch_isend_irecv(ops) if ops else [], sent)

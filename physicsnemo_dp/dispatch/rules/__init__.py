@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from . import dim_ops, indexing, joins, matmul, pointwise, reductions, tensor_like, views
+from ... import attention, spatial
 
-_FAMILIES = (tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing)
+_FAMILIES = (tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, spatial, attention)
 
 _TABLE: dict = {}
 FUNCTIONS: dict = {}

@@ -1,0 +1,163 @@
+"""Attention of one query block on one key/value block, and the log-sum-exp merge.
+
+Every schedule (local, sharded keys, ring) is a sequence of *tiles*: a slice of
+this rank's queries against a slice of one key/value block. A tile returns its
+normalized output and the log-sum-exp (lse) of its scores per query row, which
+is all that is needed to merge tiles exactly, in any order:
+
+    lse = logaddexp(lse_a, lse_b)
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Rows that see no key (everything masked, or an empty block) carry
+``lse = -inf`` and a zero output, which the merge treats as "no contribution";
+like PyTorch's SDPA, a row with no visible key ends as zeros.
+
+The backward is the flash-attention recomputation: with the final ``lse`` and
+``delta = rowsum(dout * out)``, a tile's probabilities ``p = exp(s - lse)``
+are rebuilt and give its contributions to dq, dk, dv without ever holding more
+than one tile of scores.
+
+Tensors are *grouped*: queries ``(*B, Hk, g, L, E)`` and keys/values
+``(*B, Hk, 1, S, E)`` so that grouped-query attention (``g`` query heads per
+key head) and head broadcasting are plain matmul broadcasting. The plain
+PyTorch ops used here run on every device and dtype; half types are computed
+in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Span:
+    """Consecutive local tokens ``[start, start + length)`` at causal positions ``position, position + 1, ...``."""
+
+    start: int
+    length: int
+    position: int
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Queries ``q_start:q_start+q_len`` against keys ``k_start:k_start+k_len`` of a block.
+
+    ``diagonal`` is None when every key is visible to every query; otherwise
+    key ``j`` is visible to query ``i`` iff ``j - i <= diagonal`` (causal
+    positions relative to the tile's corners).
+    """
+
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+    diagonal: int | None = None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float32 for half types, the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def plan_tiles(q_spans: Sequence[Span], k_spans: Sequence[Span], causal: bool) -> list[Tile]:
+    """The tiles to compute; causal pairs that see nothing are skipped, which is where causal saves work."""
+    tiles = []
+    for qs in q_spans:
+        for ks in k_spans:
+            if qs.length == 0 or ks.length == 0:
+                continue
+            if not causal:
+                tiles.append(Tile(qs.start, qs.length, ks.start, ks.length))
+                continue
+            if ks.position > qs.position + qs.length - 1:
+                continue  # every key lies in every query's future
+            full = ks.position + ks.length - 1 <= qs.position
+            diagonal = None if full else qs.position - ks.position
+            tiles.append(Tile(qs.start, qs.length, ks.start, ks.length, diagonal))
+    return tiles
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` replaced by 0, to shift by without producing NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _narrow(t: torch.Tensor | None, dim: int, start: int, length: int):
+    """Slice ``t`` along ``dim`` unless it broadcasts there (extent 1)."""
+    if t is None or t.shape[dim] == 1:
+        return t
+    return t.narrow(dim, start, length)
+
+
+def _scores(q, k, scale: float, mask, tile: Tile):
+    """Masked, scaled scores of a tile (built in place: one tile of memory)."""
+    s = torch.matmul(q, k.transpose(-1, -2).to(q.dtype)).mul_(scale)
+    if mask is not None:
+        s = s.masked_fill_(~mask, NEG_INF) if mask.dtype == torch.bool else s.add_(mask.to(s.dtype))
+    if tile.diagonal is not None:
+        rows = torch.arange(tile.q_len, device=q.device).unsqueeze(-1)
+        cols = torch.arange(tile.k_len, device=q.device)
+        s = s.masked_fill_(cols - rows > tile.diagonal, NEG_INF)
+    return s
+
+
+def _tile_inputs(q, k, v, mask, rows0: int, cols0: int, tile: Tile):
+    """The tile's slices of q, k, v and the mask (whose row/col 0 are local row ``-rows0``/key ``-cols0``)."""
+    qt = q.narrow(-2, tile.q_start, tile.q_len)
+    kt = k.narrow(-2, tile.k_start, tile.k_len)
+    vt = v.narrow(-2, tile.k_start, tile.k_len)
+    mt = _narrow(mask, -2, rows0 + tile.q_start, tile.q_len)
+    mt = _narrow(mt, -1, cols0 + tile.k_start, tile.k_len)
+    return qt, kt, vt, mt
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, out_t: torch.Tensor, lse_t: torch.Tensor) -> None:
+    """Merge a partial result ``(out_t, lse_t)`` into ``(out, lse)`` in place (numerically stable)."""
+    new = torch.logaddexp(lse, lse_t)
+    shift = _safe(new)
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(out_t * torch.exp(lse_t - shift).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def attend(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, out, lse) -> None:
+    """Add the tiles of block ``(k, v)`` to the running ``(out, lse)`` of queries ``q``.
+
+    ``q`` is in the compute dtype; ``k``, ``v`` and ``mask`` (boolean: True =
+    visible, or additive) may be in any dtype and are converted per tile.
+    """
+    for tile in tiles:
+        qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, tile)
+        s = _scores(qt, kt, scale, mt, tile)
+        lse_t = torch.logsumexp(s, dim=-1)
+        p = s.sub_(_safe(lse_t).unsqueeze(-1)).exp_()
+        out_t = torch.matmul(p, vt.to(p.dtype))
+        rows = slice(tile.q_start, tile.q_start + tile.q_len)
+        merge_into(out[..., rows, :], lse[..., rows], out_t, lse_t)
+
+
+def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, dout, lse, delta, dq):
+    """Gradient contributions of block ``(k, v)``: adds into ``dq``, returns ``(dk, dv)`` of the block.
+
+    ``lse`` is the final log-sum-exp of the queries and ``delta`` is
+    ``rowsum(dout * out)``; both cover all of ``q``'s rows. ``dk``/``dv`` come
+    in the compute dtype with ``k``'s/``v``'s shape (query groups and broadcast
+    batch dims summed).
+    """
+    dk = torch.zeros(k.shape, dtype=dq.dtype, device=dq.device)
+    dv = torch.zeros(v.shape, dtype=dq.dtype, device=dq.device)
+    for tile in tiles:
+        qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, tile)
+        rows = slice(tile.q_start, tile.q_start + tile.q_len)
+        keys = slice(tile.k_start, tile.k_start + tile.k_len)
+        p = _scores(qt, kt, scale, mt, tile).sub_(_safe(lse[..., rows]).unsqueeze(-1)).exp_()
+        do = dout[..., rows, :]
+        dv[..., keys, :] += torch.matmul(p.transpose(-1, -2), do).sum_to_size(dv[..., keys, :].shape)
+        ds = torch.matmul(do, vt.to(p.dtype).transpose(-1, -2)).sub_(delta[..., rows].unsqueeze(-1)).mul_(p)
+        dq[..., rows, :] += (torch.matmul(ds, kt.to(ds.dtype)) * scale).sum_to_size(dq[..., rows, :].shape)
+        dk[..., keys, :] += (torch.matmul(ds.transpose(-1, -2), qt) * scale).sum_to_size(dk[..., keys, :].shape)
+    return dk, dv

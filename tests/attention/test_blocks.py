@@ -1,0 +1,94 @@
+"""Single-process checks of the tile math, the zig-zag order and causal work balance."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from physicsnemo_dp.attention import zigzag_order, zigzag_sizes
+from physicsnemo_dp.attention._blocks import Span, attend, attend_backward, plan_tiles
+from physicsnemo_dp.attention import _heads
+from physicsnemo_dp.attention.zigzag import spans
+from physicsnemo_dp.split import chunk_sizes, offsets_from_sizes
+
+
+@pytest.mark.parametrize("causal,zigzag", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("hq,hk", [(2, 2), (4, 2), (3, 1)])
+def test_blocks_merge_to_full_attention(causal, zigzag, hq, hk):
+    """Keys cut into uneven blocks (one empty), merged by log-sum-exp = SDPA, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    L, S, E, Ev = 9, 11, 5, 3
+    q = torch.randn(2, hq, L, E, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, hk, S, E, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, hk, S, Ev, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = None if causal else torch.rand(hq, L, S, generator=g) > 0.3
+    # in zig-zag order, global index i sits at causal position zigzag_order(n, 2)[i]
+    causal_mask = zigzag_order(S, 2)[None, :] <= zigzag_order(L, 2)[:, None] if zigzag else None
+    ref_mask = causal_mask if zigzag else mask
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask, is_causal=causal and not zigzag, enable_gqa=True)
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(w)
+
+    groups = _heads.query_groups(hq, hk)
+    q5, k5, v5 = _heads.group_queries(q.detach(), groups, q.dtype), _heads.group_keys(k.detach()), _heads.group_keys(v.detach())
+    m5 = _heads.group_mask(mask, 4, groups)
+    cuts = [0, 4, 4, 7, S]  # an empty block on purpose
+    q_spans = spans(0, L, L, 2, zigzag) if causal else (Span(0, L, 0),)
+    blocks = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        k_spans = spans(a, b - a, S, 2, zigzag) if causal else (Span(0, b - a, 0),)
+        blocks.append((a, b, plan_tiles(q_spans, k_spans, causal)))
+    out = torch.zeros(2, hq // groups, groups, L, Ev, dtype=q.dtype)
+    lse = torch.full(out.shape[:-1], float("-inf"), dtype=q.dtype)
+    for a, b, tiles in reversed(blocks):  # any order
+        attend(q5, k5[..., a:b, :], v5[..., a:b, :], m5, 0, a, tiles, E**-0.5, out, lse)
+    assert torch.allclose(_heads.ungroup_queries(out, 4, q.dtype), ref, atol=1e-12)
+
+    dout = _heads.group_queries(w, groups, q.dtype)
+    delta = (dout * out).sum(-1)
+    dq, dks, dvs = torch.zeros_like(q5), [], []
+    for a, b, tiles in blocks:
+        dk, dv = attend_backward(q5, k5[..., a:b, :], v5[..., a:b, :], m5, 0, a, tiles, E**-0.5, dout, lse, delta, dq)
+        dks.append(dk)
+        dvs.append(dv)
+    assert torch.allclose(_heads.ungroup_queries(dq, 4, q.dtype), q.grad, atol=1e-12)
+    assert torch.allclose(_heads.ungroup_keys(torch.cat(dks, -2), 4, q.dtype), k.grad, atol=1e-12)
+    assert torch.allclose(_heads.ungroup_keys(torch.cat(dvs, -2), 4, q.dtype), v.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("n,parts", [(0, 3), (5, 4), (16, 4), (17, 3), (9, 1)])
+def test_zigzag_order_and_spans(n, parts):
+    order = zigzag_order(n, parts)
+    assert sorted(order.tolist()) == list(range(n))
+    sizes = zigzag_sizes(n, parts)
+    assert sum(sizes) == n
+    chunks = chunk_sizes(n, 2 * parts)
+    for r, (off, size) in enumerate(zip(offsets_from_sizes(sizes), sizes)):
+        positions = [s.position + i for s in spans(off, size, n, parts, True) for i in range(s.length)]
+        assert positions == order[off : off + size].tolist()
+        assert size == chunks[r] + chunks[2 * parts - 1 - r]
+    # any global range, not only whole shards
+    positions = [s.position + i for s in spans(1, n - 2, n, parts, True) for i in range(s.length)] if n > 2 else []
+    assert positions == order[1 : n - 1].tolist()
+
+
+def _causal_work(n: int, parts: int, zigzag: bool) -> list[int]:
+    """Score elements each rank computes in a causal ring (tiles that lie in the future are skipped)."""
+    sizes = zigzag_sizes(n, parts) if zigzag else chunk_sizes(n, parts)
+    ranges = list(zip(offsets_from_sizes(sizes), sizes))
+    work = []
+    for off, size in ranges:
+        q_spans = spans(off, size, n, parts, zigzag)
+        total = 0
+        for k_off, k_size in ranges:
+            for t in plan_tiles(q_spans, spans(k_off, k_size, n, parts, zigzag), True):
+                total += t.q_len * t.k_len
+        work.append(total)
+    return work
+
+
+def test_zigzag_balances_causal_work():
+    n, parts = 4096, 4
+    contiguous, zigzag = _causal_work(n, parts, False), _causal_work(n, parts, True)
+    assert max(contiguous) == parts * min(contiguous)  # rank r computes r + 1 blocks
+    assert max(zigzag) / min(zigzag) < 1.01
+    assert sum(zigzag) < 0.7 * n * n  # future tiles are skipped, not just balanced

@@ -1,0 +1,117 @@
+"""F.scaled_dot_product_attention on ShardTensors against the single-process op."""
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from tests._harness import distributed
+
+from ..ops._diff import check
+
+R, S2 = Replicate(), Shard(2)
+
+
+def _g(shape, seed, dtype=torch.float64):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _layouts(mesh):
+    """(q, k, v) placements: every combination of sharded/replicated sequence, batch over "ddp" on 2-D."""
+    combos = [(S2, S2, S2), (S2, R, R), (R, S2, S2), (R, R, R), (S2, S2, R), (R, R, S2)]
+    if mesh.ndim == 1:
+        return [tuple((p,) for p in c) for c in combos]
+    return [tuple((Shard(0), p) for p in c) for c in combos] + [((R, S2), (R, S2), (R, S2)), ((S2, R), (R, S2), (R, S2))]
+
+
+def _qkv(L=7, S=6, Hq=2, Hk=2, E=3, Ev=4, N=2, seed=0):
+    return _g((N, Hq, L, E), seed), _g((N, Hk, S, E), seed + 1), _g((N, Hk, S, Ev), seed + 2)
+
+
+def _run(mesh, fn, tensors, layout, label):
+    check(fn, [(t, p) for t, p in zip(tensors, layout)], mesh, label=label)
+
+
+@distributed(timeout=300)
+def test_layouts_and_options(ctx):
+    mesh = ctx.mesh
+    sdpa = F.scaled_dot_product_attention
+    bool_mask = torch.rand((7, 6), generator=torch.Generator().manual_seed(5)) > 0.4
+    add_mask = _g((2, 1, 7, 6), 6)
+    pad = torch.rand((2, 1, 1, 6), generator=torch.Generator().manual_seed(7)) > 0.3
+    cases = [
+        ("plain", _qkv(), lambda q, k, v: sdpa(q, k, v)),
+        ("causal", _qkv(), lambda q, k, v: sdpa(q, k, v, is_causal=True)),
+        ("causal L=S", _qkv(S=7), lambda q, k, v: sdpa(q, k, v, is_causal=True)),
+        ("causal L<S", _qkv(L=5, S=9), lambda q, k, v: sdpa(q, k, v, is_causal=True)),
+        ("bool mask", _qkv(), lambda q, k, v: sdpa(q, k, v, attn_mask=bool_mask)),
+        ("additive mask", _qkv(), lambda q, k, v: sdpa(q, k, v, attn_mask=add_mask)),
+        ("key padding", _qkv(), lambda q, k, v: sdpa(q, k, v, attn_mask=pad)),
+        ("scale", _qkv(), lambda q, k, v: sdpa(q, k, v, scale=0.3)),
+        ("gqa", _qkv(Hq=4, Hk=2), lambda q, k, v: sdpa(q, k, v, enable_gqa=True)),
+        ("gqa causal", _qkv(Hq=6, Hk=2, L=6, S=6), lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True)),
+        ("broadcast heads", _qkv(Hq=3, Hk=1), lambda q, k, v: sdpa(q, k, v)),
+    ]
+    for layout in _layouts(mesh):
+        for label, tensors, fn in cases:
+            _run(mesh, fn, tensors, layout, label)
+
+
+def _zigzag_causal_sdpa(**kw):
+    """Causal SDPA run in zig-zag order on ShardTensors (natural order in and out), plain SDPA otherwise."""
+    from physicsnemo_dp import ShardTensor
+    from physicsnemo_dp.attention import from_zigzag, to_zigzag, zigzag_causal
+
+    def fn(q, k, v):
+        if not isinstance(q, ShardTensor):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        m = q.device_mesh.ndim - 1
+        q, k, v = (to_zigzag(t, dim=2, mesh_dim=m) for t in (q, k, v))
+        with zigzag_causal():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        return from_zigzag(out, dim=2, mesh_dim=m)
+
+    return fn
+
+
+@distributed(timeout=300)
+def test_zigzag_load_balanced_causal(ctx):
+    mesh = ctx.mesh
+    layouts = [
+        lay for lay in _layouts(mesh)
+        if S2 in (lay[0][-1], lay[1][-1]) and all(S2 not in p[:-1] for p in lay)  # sequence over the last mesh dim
+    ]
+    for layout in layouts:
+        _run(mesh, _zigzag_causal_sdpa(), _qkv(L=11, S=11), layout, "zigzag")
+        _run(mesh, _zigzag_causal_sdpa(), _qkv(L=9, S=13), layout, "zigzag L<S")
+        _run(mesh, _zigzag_causal_sdpa(enable_gqa=True), _qkv(L=10, S=10, Hq=4, Hk=2), layout, "zigzag gqa")
+
+
+@distributed(timeout=300)
+def test_float32_and_lower_dims(ctx):
+    mesh = ctx.mesh
+    sdpa = F.scaled_dot_product_attention
+    q, k, v = (t.float() for t in _qkv())
+    for layout in _layouts(mesh):
+        _run(mesh, lambda q, k, v: sdpa(q, k, v, is_causal=True), (q, k, v), layout, "float32")
+    if mesh.ndim == 1:  # 3-D (heads, L, E) and 2-D (L, E) inputs, sequence sharded
+        for seq in (1, 0):
+            s, tensors = Shard(seq), [t[0] if seq else t[0, 0] for t in _qkv()]
+            for p in ((s, s, s), (s, R, R), (R, s, s)):
+                _run(mesh, lambda q, k, v: sdpa(q, k, v, is_causal=True), tensors, [(x,) for x in p], f"{3 - seq}-d")
+
+
+@distributed(timeout=300)
+def test_sharded_masks(ctx):
+    """Masks passed as ShardTensors: rows split like the queries, columns like the keys (travelling in the ring)."""
+    mesh = ctx.mesh
+    sdpa = F.scaled_dot_product_attention
+    full = torch.rand((2, 1, 7, 6), generator=torch.Generator().manual_seed(8)) > 0.4
+    pad = torch.rand((2, 1, 1, 6), generator=torch.Generator().manual_seed(9)) > 0.3
+    bias = _g((2, 2, 7, 6), 10)
+
+    def on(p):
+        return (p,) if mesh.ndim == 1 else (Shard(0), p)
+    for layout in _layouts(mesh)[:3]:  # ring, sharded queries, sharded keys
+        for mask, placements in ((full, Shard(2)), (full, Shard(3)), (pad, Shard(3)), (bias, Shard(2)), (bias, Shard(3))):
+            check(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m.detach()), [*zip(_qkv(), layout), (mask, on(placements))],
+                  mesh, label=f"mask {tuple(mask.shape)} {placements}")  # fmt: skip

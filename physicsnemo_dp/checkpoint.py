@@ -174,7 +174,8 @@ def load_checkpoint(
 
     Works when the (ddp, domain) layout differs from the one that saved it:
     replicated state is read by every rank, FSDP2 shards are resharded by DCP.
-    RNG states are restored when this rank's state was saved (same layout).
+    RNG states are restored when the world size is the one that saved them
+    (each rank gets its own); on another world size they are left alone.
     Returns None when there is no complete checkpoint.
     """
     path = Path(root_or_path)
@@ -192,7 +193,9 @@ def load_checkpoint(
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     rng_key = f"rng.rank{_rank()}"
-    has_rng = restore_rng and any(k == rng_key or k.startswith(rng_key + ".") for k in keys)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    same_world = meta.get("world_size") == world  # on another layout, rank r's saved RNG is another rank's
+    has_rng = restore_rng and same_world and any(k == rng_key or k.startswith(rng_key + ".") for k in keys)
     if has_rng:
         state[rng_key] = _rng_state()
     dcp.load(state, checkpoint_id=str(path))

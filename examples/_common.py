@@ -1,0 +1,379 @@
+"""What the examples share: mesh and device flags, the training loop, rank-0 progress and log, plots.
+
+An example supplies its data, its model and a loss; everything else — the
+``("ddp", "domain")`` mesh, DDP or FSDP2, the progress bar, the log file,
+checkpoints holding the datapipe's position, resuming (also on another
+layout), and the figures — lives here once. The minimal examples use only
+:func:`on_ranks`, which runs a function under ``torchrun`` or, from plain
+``python``, on ranks started by :func:`physicsnemo_dp.launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from physicsnemo_dp import ShardTensor, launch
+from physicsnemo_dp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from physicsnemo_dp.distributed import MeshContext
+
+__all__ = ["training_parser", "build_context", "check_batch", "prepare_output", "finish", "RunLog", "fit",
+           "global_mean", "cosine_schedule", "plot_loss", "plot_fields", "plot_points", "on_ranks"]
+
+
+# --------------------------------------------------------------------------- #
+# Flags and the mesh
+# --------------------------------------------------------------------------- #
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the unset ones (their help says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: str) -> argparse.ArgumentParser:
+    """A parser with the flags every training example takes; the example adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=_Help)
+    run = parser.add_argument_group("mesh and device")
+    run.add_argument("--domain-size", type=int, default=None,
+                     help="ranks that split one sample (default: 2 when the world size is even, else 1)")
+    run.add_argument("--ddp-size", type=int, default=None,
+                     help="ranks that see different samples (default: world size / domain size)")
+    run.add_argument("--strategy", choices=["ddp", "fsdp2", "none"], default="ddp",
+                     help="data-parallel wrapper on the ddp axis")
+    run.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="cuda: NCCL and one GPU per rank (LOCAL_RANK); cpu: gloo")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to it)")
+    train.add_argument("--batch-size", type=int, default=batch_size, help="samples per step, split over the ddp ranks")
+    train.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine decay over --steps)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample order")
+    train.add_argument("--prefetch", type=int, default=2, help="batches the datapipe reads ahead (0: read in the loop)")
+    files = parser.add_argument_group("output")
+    files.add_argument("--out", type=Path, default=Path(out), help="folder for the log, checkpoints, plots and data")
+    files.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                       help="continue from the newest checkpoint in OUT/checkpoints (or from this checkpoint folder)")
+    files.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints (and one at the end)")
+    files.add_argument("--quiet", action="store_true", help="no progress bar (messages and the log file remain)")
+    return parser
+
+
+def build_context(args: argparse.Namespace) -> MeshContext:
+    """Join the process group (torchrun, or alone) and build the ``(ddp, domain)`` mesh the flags ask for."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu")
+    domain, ddp = args.domain_size, args.ddp_size
+    if domain is None and ddp is None:
+        domain = 2 if int(os.environ.get("WORLD_SIZE", "1")) % 2 == 0 else 1
+    return MeshContext.build(
+        domain_size=domain, ddp_size=ddp, strategy=None if args.strategy == "none" else args.strategy,
+        device_type=args.device, backend="nccl" if args.device == "cuda" else "gloo",
+    )
+
+
+def check_batch(args: argparse.Namespace, context: MeshContext) -> int:
+    """Samples per ddp rank per step; the global batch must split evenly (DDP averages equal shares)."""
+    if args.batch_size % context.ddp_size:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the ddp size {context.ddp_size}")
+    return args.batch_size // context.ddp_size
+
+
+def prepare_output(args: argparse.Namespace) -> Path:
+    """Create ``--out``; a fresh run (no ``--resume``) drops the checkpoints of an earlier run there."""
+    out = Path(args.out).resolve()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if args.resume is None:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    dist.barrier()
+    return out
+
+
+def finish(out: Path) -> None:
+    """Leave the process group; rank 0 names the output folder."""
+    if dist.get_rank() == 0:
+        print(f"output folder: {out}", flush=True)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- #
+# Progress and log
+# --------------------------------------------------------------------------- #
+class RunLog:
+    """Rank 0's progress bar (step, loss, samples/s) and ``train.log``; a no-op on other ranks.
+
+    The log is appended to, so a resumed run continues the file; each run
+    starts with its arguments.
+    """
+
+    def __init__(self, out: Path, title: str, args: argparse.Namespace):
+        self.enabled = dist.get_rank() == 0
+        self.title, self.quiet = title, args.quiet
+        self._file = open(out / "train.log", "a", buffering=1) if self.enabled else None
+        if self.enabled:
+            self._file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {title} {vars(args)}\n")
+        self._bar = None
+        self._clock = None
+
+    def info(self, message: str) -> None:
+        """Print (above the bar, if any) and log ``message``."""
+        if not self.enabled:
+            return
+        self._file.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def start(self, first_step: int, total_steps: int) -> None:
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=first_step, desc=self.title, unit="step",
+                             disable=self.quiet, dynamic_ncols=True, file=sys.stdout)
+        self._clock = (time.perf_counter(), first_step)
+
+    def step(self, step: int, loss: float, samples: int) -> None:
+        """Record ``step``'s loss; samples/s is averaged since the first step of this run."""
+        if not self.enabled:
+            return
+        t0, s0 = self._clock
+        rate = samples * (step - s0) / max(time.perf_counter() - t0, 1e-9)
+        self._file.write(f"{time.strftime('%H:%M:%S')} step {step} loss {loss:.6g} samples/s {rate:.2f}\n")
+        self._bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.1f}", refresh=False)
+        self._bar.update(1)
+
+    def stop(self) -> None:
+        """Close the progress bar (later messages print as plain lines)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._file is not None:
+            self._file.close()
+
+
+# --------------------------------------------------------------------------- #
+# The training loop
+# --------------------------------------------------------------------------- #
+def global_mean(value, context: MeshContext) -> float:
+    """A per-ddp-rank mean (ShardTensor or tensor) averaged over the ddp ranks: the global batch's mean."""
+    if isinstance(value, ShardTensor):
+        value = value.full_tensor()
+    value = value.detach().to(torch.float64).reshape(1)
+    if context.ddp_size > 1:
+        dist.all_reduce(value, group=context.ddp_mesh.get_group())
+    return value.item() / context.ddp_size
+
+
+def _endless(pipe) -> Iterator:
+    """The pipe's batches across epochs, from its current position."""
+    while True:
+        yield from pipe
+
+
+def _restore_position(pipe, saved: dict) -> None:
+    """Continue the sample order where the checkpoint left it, also on another (ddp, domain) layout.
+
+    Ddp rank ``r`` reads every ``ddp_size``-th sample of the shared order, so
+    step ``k`` consumes the same samples on any layout with the same global
+    batch (``ddp_size * batch_size``): the position carries over unchanged.
+    """
+    mine = pipe.state_dict()
+    if saved["ddp_size"] * saved["batch_size"] != mine["ddp_size"] * mine["batch_size"]:
+        raise SystemExit(
+            f"the checkpoint was taken with a global batch of {saved['ddp_size'] * saved['batch_size']} samples, "
+            f"this run has {mine['ddp_size'] * mine['batch_size']}: resume with the same --batch-size"
+        )
+    pipe.load_state_dict({**saved, "ddp_size": mine["ddp_size"], "batch_size": mine["batch_size"]})
+
+
+def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callable, args: argparse.Namespace,
+        out: Path, log: RunLog) -> list[float]:
+    """Train to ``args.steps`` (resuming if asked) and return the global-batch loss of every step.
+
+    ``loss_fn(model, batch)`` returns this ddp rank's mean loss. A checkpoint
+    (model, optimizer, scheduler, RNG, the pipe's position and the losses so
+    far) is written every ``--checkpoint-every`` steps and at the end.
+    """
+    root = out / "checkpoints"
+    step, losses = 0, []
+    if args.resume is not None:
+        source = root if args.resume == "latest" else Path(args.resume)
+        restored = load_checkpoint(source, model, optimizer, scheduler)
+        if restored is None:
+            log.info(f"no checkpoint in {source}: starting from step 0")
+        else:
+            step, losses = restored.step, list(restored.extra["losses"])
+            _restore_position(pipe, restored.extra["pipe"])
+            saved = restored.extra.get("layout")
+            log.info(f"resumed from {restored.path} at step {step} (saved on layout {saved}, "
+                     f"now ({context.ddp_size}, {context.domain_size}))")
+    log.start(step, args.steps)
+    batches = _endless(pipe)
+    while step < args.steps:
+        loss = loss_fn(model, next(batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        losses.append(global_mean(loss, context))
+        log.step(step, losses[-1], args.batch_size)
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size]}
+            save_checkpoint(root, step, model, optimizer, scheduler, extra=extra)
+    batches.close()
+    log.stop()
+    if losses:
+        log.info(f"final loss {losses[-1]:.6g} after {step} steps; checkpoint {latest_checkpoint(root)}")
+    return losses
+
+
+def cosine_schedule(optimizer, steps: int, warmup: int = 5):
+    """Linear warm-up, then cosine decay to 5 % of the peak over ``steps``."""
+
+    def factor(k: int) -> float:
+        if k < warmup:
+            return (k + 1) / warmup
+        progress = min((k - warmup) / max(steps - warmup, 1), 1.0)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------- #
+# Plots (rank 0)
+# --------------------------------------------------------------------------- #
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss(path: Path, losses: list[float], title: str, test_loss: float | None = None) -> Path:
+    """The loss per step, log scale (and the final test loss as a point)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.semilogy(range(1, len(losses) + 1), losses, label="training")
+    if test_loss is not None:
+        ax.semilogy([len(losses)], [test_loss], "o", color="C3", label=f"test ({test_loss:.3g})")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (global batch)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_fields(path: Path, panels: dict, title: str, row_splits=(), same_scale=()) -> Path:
+    """2-D fields side by side (``{name: array}``); dashed lines mark the rows where ranks' shards meet.
+
+    Panels named in ``same_scale`` share one colour scale (truth and prediction).
+    """
+    plt = _pyplot()
+    limits = _limits({n: panels[n] for n in same_scale})
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6))
+    for ax, (name, field) in zip(axes, panels.items()):
+        vmin, vmax = limits if name in same_scale else (None, None)
+        image = ax.imshow(field, origin="upper", cmap="viridis", vmin=vmin, vmax=vmax)
+        for row in row_splits:
+            ax.axhline(row - 0.5, color="w", linestyle="--", linewidth=0.8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_points(path: Path, points, panels: dict, owner, title: str, same_scale=(), slab=(0.35, 0.65)) -> Path:
+    """Per-point values (``{name: values}``) on the points of a z-slab, then which rank held each point.
+
+    Panels named in ``same_scale`` share one colour scale.
+    """
+    from physicsnemo_dp.viz import plot_point_partition
+
+    plt = _pyplot()
+    points = torch.as_tensor(points)
+    keep = (points[:, 2] > slab[0]) & (points[:, 2] < slab[1])
+    xy = points[keep, :2]
+    values = {name: torch.as_tensor(v)[keep] for name, v in panels.items()}
+    limits = _limits({n: values[n] for n in same_scale})
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(3.8 * (len(panels) + 1), 3.6))
+    for ax, (name, v) in zip(axes, values.items()):
+        vmin, vmax = limits if name in same_scale else (None, None)
+        scatter = ax.scatter(xy[:, 0], xy[:, 1], c=v, s=6, cmap="viridis", vmin=vmin, vmax=vmax)
+        ax.set_aspect("equal")
+        ax.set_title(name, fontsize=9)
+        fig.colorbar(scatter, ax=ax, fraction=0.046, pad=0.04)
+    plot_point_partition(points.numpy(), torch.as_tensor(owner).numpy(), ax=axes[-1],
+                         title="owning rank (Hilbert-curve ranges)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _limits(arrays: dict) -> tuple:
+    """One (min, max) over all ``arrays`` (``(None, None)`` for none): a shared colour scale."""
+    if not arrays:
+        return None, None
+    values = [torch.as_tensor(a) for a in arrays.values()]
+    return min(float(v.min()) for v in values), max(float(v.max()) for v in values)
+
+
+# --------------------------------------------------------------------------- #
+# The minimal examples: torchrun, or ranks started here
+# --------------------------------------------------------------------------- #
+def on_ranks(fn: Callable, nprocs: int = 4, show: str | None = None):
+    """Run ``fn(mesh)`` on every rank: under torchrun on its ranks, else on ``nprocs`` launched ones.
+
+    Returns rank 0's result (on rank 0; None elsewhere), printed after
+    ``show`` if given. ``--device cuda`` on the command line selects NCCL and
+    one GPU per rank. The mesh is 1-D, named ``"domain"``.
+    """
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--nprocs", type=int, default=nprocs, help="ranks to start without torchrun")
+    args = parser.parse_args()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if "WORLD_SIZE" not in os.environ:
+        result = launch(fn, nprocs=args.nprocs, backend=backend)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+        try:
+            result = fn(init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("domain",)))
+        finally:
+            rank = dist.get_rank()
+            dist.destroy_process_group()
+        if rank != 0:
+            return None
+    if show is not None:
+        print(show, result, flush=True)
+    return result

@@ -1,16 +1,20 @@
-"""One benchmark measurement, as stored in the JSON report."""
+"""One benchmark measurement, as stored in the JSON report, and the cross-rank reduction behind it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+import torch.distributed as dist
+
 
 @dataclass
 class Result:
     """A value, its same-run baseline and their ratio, with the target it should meet.
 
-    ``target`` is ``("<=", x)`` or ``(">=", x)``; ``met`` says whether the ratio meets it.
+    ``target`` is ``("<=", x)`` or ``(">=", x)``; ``met`` says whether the ratio
+    meets it (None: no target, the ratio is informative).
     """
 
     suite: str
@@ -36,3 +40,17 @@ class Result:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "met": self.met}
+
+
+def over_ranks(value: float, op: str = "sum") -> float:
+    """``value`` summed (``"sum"``) or maximised (``"max"``) over every rank of the world.
+
+    Every rank calls it with its own figure and gets the same answer, so the
+    Result rank 0 reports stands for the whole run.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.item()

@@ -1,22 +1,30 @@
-"""Time per op on a small tensor: plain torch, DTensor, ShardTensor (even, then uneven).
+"""Time per op on a small tensor: plain torch, DTensor, ShardTensor (even, then uneven shards).
 
 The ratio reported is ShardTensor / DTensor on the same even shards (target
 <= 1.0); the uneven case is reported against DTensor's even time too, since
-DTensor cannot hold it. Each time is the median of several repeats.
+DTensor cannot hold it. No op here communicates, so each figure is the *CPU
+time of the calling thread* (one intra-op thread per rank): unlike wall time
+it does not count the time a process waits for a core, which on a shared
+machine is most of it. Each figure is the fastest of ``repeats`` interleaved
+batches of ``calls`` calls, averaged over ranks.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from physicsnemo_dp import ShardTensor
+from physicsnemo_dp.collectives import mesh_device
 
-from ._record import Result
+from ._models import uneven_sizes
+from ._record import Result, over_ranks
+from ._timing import fastest, repeated
+
+SUITE = "dispatch_overhead"
 
 OPS = {
     "add": lambda x: x + x,
@@ -26,39 +34,42 @@ OPS = {
 }
 
 
-def _time_per_call(fn, x, calls: int, repeats: int) -> float:
-    for _ in range(10):
-        fn(x)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+def sizes(tiny: bool, scale: float) -> dict:
+    return dict(rows=64, cols=32, calls=20, repeats=3) if tiny else dict(rows=64, cols=32, calls=200, repeats=15)
 
 
-def run(mesh, rows: int = 64, cols: int = 32, calls: int = 200, repeats: int = 5) -> list[Result]:
+def _operands(mesh, rows: int, cols: int) -> dict[str, torch.Tensor]:
+    """The same global ``(rows * P, cols)`` tensor as plain local piece, DTensor and ShardTensors."""
+    P, me = mesh.size(), mesh.get_local_rank()
+    g = torch.randn(rows * P, cols, generator=torch.Generator().manual_seed(0)).to(mesh_device(mesh))
+    local = g[me * rows : (me + 1) * rows].clone()
+    dtensor = DTensor.from_local(local, mesh, [Shard(0)], shape=tuple(g.shape), stride=tuple(g.stride()))
+    uneven = uneven_sizes(rows * P, P)
+    start = sum(uneven[:me])
+    return {
+        "plain": local,
+        "DTensor": dtensor,
+        "ShardTensor even": ShardTensor.from_dtensor(dtensor),
+        "ShardTensor uneven": ShardTensor.from_local(
+            g[start : start + uneven[me]].clone(), mesh, [Shard(0)], sharding_shapes={0: [(s, cols) for s in uneven]}
+        ),
+    }
+
+
+def run(mesh, rows: int, cols: int, calls: int, repeats: int, compare_dtensor: bool = False) -> list[Result]:
     P = mesh.size()
-    g = torch.randn(rows * P, cols)
-    d = distribute_tensor(g, mesh, [Shard(0)])
-    even = ShardTensor.from_dtensor(d)
-    sizes = [rows * P - (P - 1) * (rows // 2)] + [rows // 2] * (P - 1)
-    start = sum(sizes[: mesh.get_local_rank()])
-    uneven = ShardTensor.from_local(
-        g[start : start + sizes[mesh.get_local_rank()]].clone(), mesh, [Shard(0)],
-        sharding_shapes={0: [(s, cols) for s in sizes]},
-    )
-    local = d.to_local()
+    operands = _operands(mesh, rows, cols)
     results = []
     for name, fn in OPS.items():
-        t_plain = _time_per_call(fn, local, calls, repeats)
-        t_dtensor = _time_per_call(fn, d, calls, repeats)
-        t_even = _time_per_call(fn, even, calls, repeats)
-        t_uneven = _time_per_call(fn, uneven, calls, repeats)
+        runs = {kind: repeated(lambda x=x: fn(x), calls) for kind, x in operands.items()}
+        best = fastest(runs, repeats, barrier=False, clock=time.thread_time)
+        t = {kind: over_ranks(seconds / calls) / P for kind, seconds in best.items()}
         results += [
-            Result("dispatch_overhead", f"{name}: ShardTensor even / DTensor", P, t_even, t_dtensor, "s", ("<=", 1.0)),
-            Result("dispatch_overhead", f"{name}: ShardTensor uneven / DTensor even", P, t_uneven, t_dtensor, "s", ("<=", 1.0)),
-            Result("dispatch_overhead", f"{name}: DTensor / plain torch", P, t_dtensor, t_plain, "s"),
-        ]
+            Result(SUITE, f"{name}: ShardTensor even / DTensor", P, t["ShardTensor even"], t["DTensor"], "s",
+                   ("<=", 1.0)),
+            Result(SUITE, f"{name}: ShardTensor uneven / DTensor even", P, t["ShardTensor uneven"], t["DTensor"], "s",
+                   ("<=", 1.0)),
+            Result(SUITE, f"{name}: DTensor / plain torch", P, t["DTensor"], t["plain"], "s"),
+            Result(SUITE, f"{name}: ShardTensor even / plain torch", P, t["ShardTensor even"], t["plain"], "s"),
+        ]  # fmt: skip
     return results

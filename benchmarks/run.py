@@ -1,46 +1,52 @@
-"""Run the benchmark suite and write ``report.json`` and PNG plots.
+"""Run the benchmark suite and write ``report.json`` and one PNG plot per suite.
 
-    python -m benchmarks.run                      # small defaults, this 2-core CPU machine
-    python -m benchmarks.run --tiny --out /tmp/b  # what CI runs (seconds)
-    python -m benchmarks.run --world-sizes 1 2 4 8 --backend nccl --scale 16   # GPUs
+    python -m benchmarks.run                      # defaults for this 2-core CPU machine (a few minutes)
+    python -m benchmarks.run --tiny --out /tmp/b  # what CI runs (seconds of benchmarking)
+    python -m benchmarks.run --compare-dtensor    # also DTensor, side by side, where it can (even shards)
+    python -m benchmarks.run --world-sizes 1 2 4 8 --backend nccl --scale 4   # GPUs
 
-Every figure is a ratio to a baseline measured in the same run: absolute
-times on a shared machine are noise.
+Ranks are started with :func:`physicsnemo_dp.launch`, once per world size; every
+suite module (``SUITES``) runs on every rank. Every figure is a ratio to a
+baseline measured in the same run: absolute times on a shared machine are
+noise. See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
+import os
 import platform
+import resource
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks._record import over_ranks
 from physicsnemo_dp import launch
 
-SUITES = ("comm_volume", "dispatch_overhead")
+SUITES = ("comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io_throughput")
 
 
-def _rank_body(mesh, suites, scale: float, tiny: bool):
-    import importlib
-
-    results = []
+def _rank_body(mesh, suites, scale: float, tiny: bool, compare_dtensor: bool):
+    """Every suite on this rank. A suite module has ``sizes(tiny, scale) -> dict`` and
+    ``run(mesh, compare_dtensor=..., **sizes) -> list[Result]`` (identical on every rank)."""
+    torch.set_num_threads(1)  # ranks share the cores; one thread each keeps them from fighting
+    results, seconds = [], {}
     for name in suites:
         module = importlib.import_module(f"benchmarks.{name}")
-        kwargs = _sizes(name, scale, tiny)
-        results += [r.as_dict() for r in module.run(mesh, **kwargs)]
-    return results
-
-
-def _sizes(suite: str, scale: float, tiny: bool) -> dict:
-    if suite == "comm_volume":
-        return {"rows": 64, "cols": 8} if tiny else {"rows": int(4096 * scale), "cols": 256}
-    if suite == "dispatch_overhead":
-        return {"calls": 20, "repeats": 2} if tiny else {"calls": 200, "repeats": 5}
-    return {}
+        kwargs = module.sizes(tiny, scale)
+        start = time.time()
+        results += [r.as_dict() for r in module.run(mesh, compare_dtensor=compare_dtensor, **kwargs)]
+        seconds[name] = round(time.time() - start, 1)
+    # CPU time of all ranks (and their finished reader processes): with the wall
+    # time, an estimate of how long the run takes on an idle machine
+    used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds["cpu, all ranks"] = round(over_ranks(sum(u.ru_utime + u.ru_stime for u in used)), 1)
+    return results, seconds
 
 
 def _plot(results: list[dict], out: Path) -> list[Path]:
@@ -51,21 +57,26 @@ def _plot(results: list[dict], out: Path) -> list[Path]:
 
     paths = []
     for suite in sorted({r["suite"] for r in results}):
-        rows = [r for r in results if r["suite"] == suite]
+        order = {c: i for i, c in enumerate(dict.fromkeys(r["case"] for r in results))}
+        rows = sorted((r for r in results if r["suite"] == suite), key=lambda r: (order[r["case"]], r["world_size"]))
         labels = [f"{r['case']} (P={r['world_size']})" for r in rows]
         ratios = [r["ratio"] if math.isfinite(r["ratio"]) else 0.0 for r in rows]
+        positive = [x for x in ratios if x > 0]
+        log = bool(positive) and max(positive) / min(positive) > 20  # dispatch and CPU timings span decades
         colors = ["tab:green" if r["met"] else ("tab:red" if r["met"] is False else "tab:gray") for r in rows]
-        fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+        fig, ax = plt.subplots(figsize=(7, 0.3 * len(rows) + 1.5))
         ax.barh(range(len(rows)), ratios, color=colors)
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
         ax.invert_yaxis()
         for bound in {r["target"][1] for r in rows if r["target"]}:
             ax.axvline(bound, color="k", linestyle="--", linewidth=0.8)
-        ax.set_xlabel("ratio to same-run baseline (dashed: target)")
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel("ratio to the same-run baseline\n(dashed: target; green met, red missed, grey no target)")
         ax.set_title(suite)
         fig.tight_layout()
         path = out / f"{suite}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
@@ -79,13 +90,19 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per rank)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply problem sizes")
     parser.add_argument("--tiny", action="store_true", help="smallest sizes (for CI)")
+    parser.add_argument("--compare-dtensor", action="store_true",
+                        help="also measure DTensor on the cases it supports (even shards), side by side")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    results = []
+    results, seconds = [], {}
     for world in args.world_sizes:
         print(f"world size {world} ...", flush=True)
-        results += launch(_rank_body, world, args=(args.suites, args.scale, args.tiny), backend=args.backend, echo=False)
+        launched = time.time()
+        mine, per_suite = launch(_rank_body, world, args=(args.suites, args.scale, args.tiny, args.compare_dtensor),
+                                 backend=args.backend, echo=False)  # fmt: skip
+        results += mine
+        seconds[world] = {"total": round(time.time() - launched, 1), **per_suite}
     report = {
         "meta": {
             "torch": torch.__version__,
@@ -94,7 +111,12 @@ def main(argv=None) -> int:
             "backend": args.backend,
             "world_sizes": args.world_sizes,
             "tiny": args.tiny,
+            "compare_dtensor": args.compare_dtensor,
+            "scale": args.scale,
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),  # other jobs on the machine, at the end of the run
             "seconds": round(time.time() - started, 1),
+            "seconds_per_world_size": seconds,
         },
         "results": results,
     }

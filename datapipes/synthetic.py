@@ -42,6 +42,7 @@ def _random_field(rng: np.random.Generator, n_samples: int, shape: Sequence[int]
     """Gaussian random field with spectrum ``(4 pi^2 |k|^2 + tau^2)^(-alpha/2)`` (periodic)."""
     k2 = sum(np.meshgrid(*[np.fft.fftfreq(n, 1 / n) ** 2 for n in shape], indexing="ij"))
     spectrum = (4 * np.pi**2 * k2 + tau**2) ** (-alpha / 2)
+    spectrum.flat[0] = 0.0  # no mean mode: otherwise a thresholded field is often one constant value
     noise = np.fft.fftn(rng.standard_normal((n_samples, *shape)), axes=tuple(range(1, len(shape) + 1)))
     return np.fft.ifftn(noise * spectrum, axes=tuple(range(1, len(shape) + 1))).real
 

@@ -178,7 +178,7 @@ def launch(
         ctx.Process(
             target=_rank_main,
             args=(r, nprocs, port, backend, mesh_shape, mesh_dim_names, payload, queue, timeout),
-            daemon=True,
+            daemon=False,  # ranks may start their own workers (e.g. a datapipe reader); we kill them in finally
         )
         for r in range(nprocs)
     ]

@@ -1,0 +1,125 @@
+"""The models and inputs the scaling benchmarks run: a conv net, a transformer block, an MLP.
+
+Every rank builds the same seeded global input and model; a sharded input is
+this rank's box of that tensor wrapped without communication, so the plain
+single-device run in the same process is the exact baseline.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Shard
+
+from physicsnemo_dp import ShardTensor, ShardTensorSpec
+from physicsnemo_dp.collectives import mesh_device
+
+
+def conv_net(channels: int = 4, width: int = 16) -> nn.Module:
+    """Three 3x3 convolutions with GELUs: halo exchanges on every layer, nothing else distributed."""
+    return nn.Sequential(
+        nn.Conv2d(channels, width, 3, padding=1), nn.GELU(),
+        nn.Conv2d(width, width, 3, padding=1), nn.GELU(),
+        nn.Conv2d(width, channels, 3, padding=1),
+    )  # fmt: skip
+
+
+def transformer_block(dim: int = 64, heads: int = 4) -> nn.Module:
+    """``nn.TransformerEncoderLayer`` (no dropout): on a sequence-sharded input its SDPA is ring attention."""
+    return nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
+
+
+def mlp(dim: int = 64) -> nn.Module:
+    """Token-wise MLP: the model DTensor also runs on sharded tokens (for ``--compare-dtensor``)."""
+    return nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, its global input shape for a local extent ``n`` along the sharded dim, and that dim."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    shape: Callable[[int], tuple[int, ...]]
+    dim: int
+
+
+def cases(conv_width: int, conv_cols: int, dim: int) -> dict[str, Case]:
+    return {
+        "conv net": Case("conv net", lambda: conv_net(4, conv_width), lambda n: (1, 4, n, conv_cols), 2),
+        "transformer block": Case("transformer block", lambda: transformer_block(dim), lambda n: (1, n, dim), 1),
+    }
+
+
+def global_input(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def model(case: Case, mesh, seed: int = 0) -> nn.Module:
+    """The case's model, with the same weights on every rank, on the mesh's device."""
+    torch.manual_seed(seed)
+    return case.build().to(mesh_device(mesh))
+
+
+def shard(global_tensor: torch.Tensor, mesh, dim: int, sizes: tuple[int, ...] | None = None) -> ShardTensor:
+    """This rank's box of ``global_tensor`` as a ShardTensor sharded along ``dim`` (chunk sizes by default)."""
+    shape = tuple(global_tensor.shape)
+    placements = [Shard(dim)]
+    if sizes is None:
+        spec = ShardTensorSpec.chunked(mesh, placements, shape, global_tensor.dtype)
+    else:
+        tables = tuple(tuple(sizes) if d == dim else None for d in range(len(shape)))
+        spec = ShardTensorSpec.from_sizes(mesh, placements, shape, global_tensor.dtype, tables)
+    box = tuple(slice(o, o + n) for o, n in zip(spec.local_offsets(), spec.local_shape))
+    return ShardTensor(global_tensor[box].clone(), spec, requires_grad=False)
+
+
+def uneven_sizes(total: int, parts: int) -> tuple[int, ...]:
+    """Strongly uneven shard sizes adding up to ``total``, with an empty shard when ``parts > 2``."""
+    weights = [3, 0, 1, 5, 2, 7, 4, 6][:parts] if parts > 2 else [3, 1][:parts]
+    weights += [1] * (parts - len(weights))
+    sizes = [total * w // sum(weights) for w in weights]
+    sizes[-1] += total - sum(sizes)
+    return tuple(sizes)
+
+
+def scaling_inputs(case: Case, mesh, strong: int, weak: int) -> dict[str, tuple[torch.Tensor, ShardTensor]]:
+    """``{"strong": (plain, sharded), "weak": (plain, sharded)}``: the single-device baseline input and the sharded one.
+
+    Strong scaling keeps the global extent ``strong`` (the baseline holds all
+    of it); weak scaling gives every rank ``weak`` (the baseline holds one
+    rank's worth).
+    """
+    device, P = mesh_device(mesh), mesh.size()
+    pairs = {}
+    for kind, plain_extent, global_extent in (("strong", strong, strong), ("weak", weak, weak * P)):
+        g = global_input(case.shape(global_extent)).to(device)
+        pairs[kind] = (global_input(case.shape(plain_extent)).to(device), shard(g, mesh, case.dim))
+    return pairs
+
+
+def mlp_pair(mesh, tokens: int, dim: int) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """The MLP on the same even token shards as ShardTensor and as DTensor: ``{kind: (model, input)}``.
+
+    DTensor gets its parameters replicated (``distribute_module``), ShardTensor
+    plain parameters (promoted on use); both sum weight gradients over the mesh.
+    """
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    device = mesh_device(mesh)
+    torch.manual_seed(0)
+    net = mlp(dim).to(device)
+    x = shard(global_input((tokens * mesh.size(), dim)).to(device), mesh, 0)
+    dx = DTensor.from_local(x._local_tensor, mesh, [Shard(0)], shape=tuple(x.shape), stride=(dim, 1))
+    return {"ShardTensor": (net, x), "DTensor": (distribute_module(copy.deepcopy(net), mesh), dx)}
+
+
+def train_step(net: nn.Module, x: torch.Tensor) -> None:
+    """Forward and backward with a unit upstream gradient (no loss reduction, so no extra collective)."""
+    net.zero_grad(set_to_none=True)
+    y = net(x)
+    y.backward(torch.ones_like(y))

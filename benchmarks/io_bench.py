@@ -1,0 +1,230 @@
+"""I/O benchmark: the pipe's per-rank read throughput against bare ``h5py`` ``read_direct``.
+
+    .venv/bin/python benchmarks/io_bench.py                      # defaults: 2 ranks, 8 samples of 2 x 2048^2
+    .venv/bin/python benchmarks/io_bench.py --world-size 1 --layouts contiguous chunked gzip --epochs 9
+
+For each HDF5 layout (contiguous, chunks aligned with the rank slabs, and
+optionally gzip on the same chunks) every rank reads its slab of every
+sample, first with a bare loop of ``Dataset.read_direct`` into preallocated
+buffers (the floor the pipe is compared with), then with :class:`DomainPipe`
+reading in the caller (``prefetch=0``), in a background thread and in a
+reader process. Reported per rank and mode:
+
+* ``ratio``: pipe throughput / bare throughput with nothing else to do (1.0 =
+  as fast as bare reads; the target is >= 0.9);
+* ``cpu``: bare CPU time / the pipe's CPU time (training process and reader
+  process together), which does not depend on how busy the machine is;
+* with a simulated training step of ``--step-ms`` per batch, the epoch time
+  against the serial ``bare read + step`` and the ideal ``max(read, step)``.
+  The step sleeps (``sleep``: the GIL is free, like waiting on a GPU), spins
+  in Python (``python``: the GIL is held, like launching kernels), or reads
+  another HDF5 file (``h5py``: like writing outputs or reading a validation
+  set in the training process). The last two are where a reader thread and
+  a reader process differ.
+
+All ranks run each measurement at the same time (a barrier before each), as in
+training; each figure is the fastest of ``--epochs`` interleaved epochs after
+a warm-up (see ``benchmarks/_timing.py``). Files live in ``--dir`` and are read
+from the page cache, so the figures measure the software path, not the disk.
+Results are printed and written as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import h5py
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from datapipes import DomainDecomposition, DomainPipe, HDF5Fields, Split, aligned_chunks  # noqa: E402
+from datapipes.synthetic import heat_equation, write_hdf5  # noqa: E402
+from benchmarks._timing import fastest, fastest_by  # noqa: E402
+
+VARIABLES = ("u0", "u")
+MODES = {"inline": dict(prefetch=0), "thread": dict(prefetch=2, workers="thread"),
+         "process": dict(prefetch=2, workers="process")}
+
+
+def _args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (one domain, gloo)")
+    parser.add_argument("--size", type=int, default=2048, help="grid edge: samples are size x size float32")
+    parser.add_argument("--samples", type=int, default=8, help="samples in each file")
+    parser.add_argument("--layouts", nargs="+", default=["contiguous", "chunked"],
+                        choices=["contiguous", "chunked", "gzip"])
+    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per measurement (the fastest counts)")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="simulated training step per batch (default: about the bare read time)")
+    parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=STEPS,
+                        help="simulated training steps to run with each mode (none: throughput only)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the files (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=Path("io_bench.json"), help="JSON results")
+    return parser.parse_args(argv)
+
+
+def _write_files(args, directory: Path) -> dict[str, Path]:
+    fields = heat_equation(args.samples, (args.size, args.size), seed=0)
+    dec = DomainDecomposition((args.size, args.size), (args.world_size,))
+    chunks = aligned_chunks(dec, itemsize=4)
+    options = {"contiguous": {}, "chunked": {"chunks": chunks}, "gzip": {"chunks": chunks, "compression": "gzip"}}
+    return {layout: write_hdf5(directory / f"{layout}.h5", fields, **options[layout])[0] for layout in args.layouts}
+
+
+def _bare_epoch(dsets: list[h5py.Dataset], buffers: list[np.ndarray], box, samples) -> float:
+    """Seconds to read this rank's slab of every sample with read_direct into preallocated buffers."""
+    start = time.perf_counter()
+    for i in samples:
+        for dset, buf in zip(dsets, buffers):
+            dset.read_direct(buf, source_sel=(i, *box))
+    return time.perf_counter() - start
+
+
+STEPS = ("sleep", "python", "h5py")
+
+
+def _step(kind: str, seconds: float, other: h5py.Dataset, buf: np.ndarray) -> None:
+    """Busy the training process for ``seconds`` in the way ``kind`` says."""
+    if kind == "sleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if kind == "h5py":
+            other.read_direct(buf)
+
+
+def _pipe_epoch(pipe: DomainPipe, step: tuple | None) -> float:
+    start = time.perf_counter()
+    for batch in pipe:
+        if step is not None:
+            _step(*step)
+        del batch
+    return time.perf_counter() - start
+
+
+def _cpu_seconds() -> float:
+    """CPU time used so far by this process (all threads) and its live children (the reader process).
+
+    Children are read from ``/proc/<pid>/schedstat`` (nanoseconds; Linux), not
+    from their tick-counted ``cpu_times``, whose 10 ms steps would swamp an epoch.
+    """
+    children = 0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(OSError):
+            children += int(Path(f"/proc/{child.pid}/schedstat").read_text().split()[0])
+    return time.process_time() + children / 1e9
+
+
+def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
+    """This rank's figures for every layout: bare and pipe epoch times, ratios, simulated steps.
+
+    ``args`` needs ``epochs``, ``step_ms`` and ``steps`` (the simulated step
+    kinds to run; none for the plain throughput comparison); ``scratch`` is a
+    path prefix for the file the ``h5py`` step reads.
+    """
+    rank = dist.get_rank()
+    with h5py.File(f"{scratch}.rank{rank}.h5", "w") as f:  # what the "h5py" step reads
+        f["x"] = np.zeros(1 << 16)
+    mine = {}
+    for layout, path in paths.items():
+        source = HDF5Fields(path, VARIABLES)
+        box = source.decompose(0, (mesh.size(),), Split())["u"].box(mesh.get_local_rank())
+        samples = list(range(len(source)))
+        slab_bytes = len(VARIABLES) * int(np.prod([s.stop - s.start for s in box])) * 4 * len(samples)
+        buffers = [np.empty(tuple(s.stop - s.start for s in box), np.float32) for _ in VARIABLES]
+        pipes = {mode: DomainPipe(source, mesh, shuffle=False, **options) for mode, options in MODES.items()}
+        with h5py.File(path, "r") as f, h5py.File(f"{scratch}.rank{rank}.h5", "r") as other:
+            dsets = [f[v] for v in VARIABLES]
+            runs = {"bare": partial(_bare_epoch, dsets, buffers, box, samples)}
+            bare = fastest(runs, args.epochs)["bare"]
+            step_s = (args.step_ms / 1000) if args.step_ms is not None else bare / len(samples)
+            for mode, pipe in pipes.items():
+                runs[mode] = partial(_pipe_epoch, pipe, None)
+                for kind in args.steps:
+                    runs[f"{mode}+{kind}"] = partial(_pipe_epoch, pipe, (kind, step_s, other["x"], np.empty(1 << 16)))
+            timed = fastest_by(runs, args.epochs, (time.perf_counter, _cpu_seconds))
+            best = {name: wall for name, (wall, _) in timed.items()}
+            cpu = {name: used for name, (_, used) in timed.items()}
+        for pipe in pipes.values():
+            pipe.close()
+        bare = best["bare"]
+        serial = bare + step_s * len(samples)
+        row = {"slab_MiB_per_epoch": slab_bytes / 2**20, "bare_s": bare, "bare_MiB_s": slab_bytes / bare / 2**20,
+               "bare_cpu_s": cpu["bare"], "step_ms": step_s * 1000,
+               "ideal_speedup_vs_serial": serial / max(bare, step_s * len(samples)), "modes": {}}
+        for mode in MODES:
+            row["modes"][mode] = {"epoch_s": best[mode], "ratio": bare / best[mode], "cpu_s": cpu[mode],
+                                  "cpu_ratio": cpu["bare"] / cpu[mode]}
+            for kind in args.steps:
+                row["modes"][mode][f"{kind}_step_epoch_s"] = best[f"{mode}+{kind}"]
+                row["modes"][mode][f"{kind}_step_speedup_vs_serial"] = serial / best[f"{mode}+{kind}"]
+        mine[layout] = row
+    return mine
+
+
+def _rank(rank: int, args, paths: dict[str, Path], store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size,
+                           store=dist.FileStore(store, args.world_size), timeout=datetime.timedelta(minutes=10))
+    mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("domain",))
+    mine = measure(mesh, args, paths, store)
+    everyone = [None] * args.world_size
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        Path(store + ".json").write_text(json.dumps({str(r): v for r, v in enumerate(everyone)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(args, results: dict) -> str:
+    lines = [f"{args.world_size} rank(s), {args.samples} samples of {len(VARIABLES)} x {args.size}^2 float32, "
+             f"fastest of {args.epochs} epochs, files in the page cache"]
+    for layout in args.layouts:
+        lines.append(f"\n{layout}:")
+        steps = " ".join(f"{kind + ' x':>9}" for kind in args.steps)
+        lines.append(f"  {'rank':>4} {'mode':>8} {'ratio':>6} {'cpu':>5} {'MiB/s':>8}   step: {steps} {'ideal x':>8}")
+        for rank, per in results.items():
+            row = per[layout]
+            lines.append(f"  {rank:>4} {'bare':>8} {1.0:6.2f} {1.0:5.2f} {row['bare_MiB_s']:8.0f}   "
+                         f"({row['step_ms']:.1f} ms/batch)")
+            for mode, m in row["modes"].items():
+                speedups = " ".join(f"{m[f'{kind}_step_speedup_vs_serial']:9.2f}" for kind in args.steps)
+                lines.append(f"  {rank:>4} {mode:>8} {m['ratio']:6.2f} {m['cpu_ratio']:5.2f} "
+                             f"{row['bare_MiB_s'] * m['ratio']:8.0f}         {speedups} {row['ideal_speedup_vs_serial']:8.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    with tempfile.TemporaryDirectory(prefix="io_bench-") as scratch:
+        directory = args.dir or Path(scratch)
+        paths = _write_files(args, directory)
+        store = os.path.join(scratch, "store")
+        mp.start_processes(_rank, args=(args, paths, store), nprocs=args.world_size, start_method="spawn")
+        results = json.loads(Path(store + ".json").read_text())
+    print(_report(args, results))
+    print(f"load average after the run (other processes compete for the cores): {os.getloadavg()}")
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"config": config, "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                                    "ranks": results}, indent=2))
+    print(f"\nwritten {args.out}")
+
+
+if __name__ == "__main__":
+    main()

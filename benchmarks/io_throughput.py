@@ -1,0 +1,92 @@
+"""I/O: the datapipe's per-rank read throughput against bare ``h5py`` ``read_direct`` (target >= 0.9).
+
+The measurement is :func:`benchmarks.io_bench.measure` (see that module, which
+also runs standalone with more options): every rank reads its slab of every
+sample of a contiguous and a chunked HDF5 file (chunks aligned with the rank
+slabs), first with a bare ``read_direct`` loop into preallocated buffers, then
+through :class:`datapipes.DomainPipe` without prefetch (``inline``) and with
+prefetch in a reader thread and in a reader process. Files are read from the
+page cache after a warm-up epoch: the figures measure the software path, not
+the disk. Ratio = pipe throughput / bare throughput, averaged over ranks, by
+two clocks: wall time, and CPU time of the rank and its reader process
+together (which does not depend on how busy the machine is).
+
+Files are written by rank 0 to a temporary directory that every rank must see
+(one machine; on several nodes point ``TMPDIR`` at a shared file system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from . import io_bench
+from ._record import Result, over_ranks
+
+SUITE = "io"
+_LAYOUTS = ("contiguous", "chunked")
+_MODES = {"inline": "no prefetch", "thread": "prefetch, reader thread", "process": "prefetch, reader process"}
+
+
+def sizes(tiny: bool, scale: float) -> dict:
+    if tiny:
+        return dict(size=32, samples=2, epochs=1)
+    return dict(size=int(2048 * scale), samples=4, epochs=9)
+
+
+def _files(P: int, size: int, samples: int) -> tuple[Path, dict[str, Path]]:
+    """Rank 0 writes the files; every rank gets the directory and the paths."""
+    shared = [None]
+    if dist.get_rank() == 0:
+        directory = Path(tempfile.mkdtemp(prefix="io_suite-"))
+        layout = argparse.Namespace(world_size=P, size=size, samples=samples, layouts=list(_LAYOUTS))
+        shared = [(directory, io_bench._write_files(layout, directory))]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let this rank start processes (the pipe's reader process) although launch() made it daemonic.
+
+    multiprocessing refuses children of daemonic processes; the reader is
+    itself daemonic and closed with its pipe, so nothing outlives the rank.
+    """
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
+
+
+def run(mesh, size: int, samples: int, epochs: int, compare_dtensor: bool = False) -> list[Result]:
+    P = mesh.size()
+    directory, paths = _files(P, size, samples)
+    try:
+        args = argparse.Namespace(epochs=epochs, step_ms=None, steps=())
+        with _children_allowed():
+            rows = io_bench.measure(mesh, args, paths, str(directory / "scratch"))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    results = []
+    for layout, row in rows.items():
+        slab = row["slab_MiB_per_epoch"]
+        for mode, label in _MODES.items():
+            m = row["modes"][mode]
+            clocks = (("wall", m["epoch_s"], row["bare_s"]), ("CPU", m["cpu_s"], row["bare_cpu_s"]))
+            for clock, pipe_s, bare_s in clocks:
+                unit = "MiB/s" if clock == "wall" else "MiB per CPU s"
+                results.append(Result(SUITE, f"{layout}, {label}, {clock}: pipe / bare read_direct", P,
+                                      over_ranks(slab / pipe_s) / P, over_ranks(slab / bare_s) / P, unit,
+                                      (">=", 0.9)))  # fmt: skip
+    return results

@@ -55,9 +55,11 @@ def _group(mesh, mesh_dim: int):
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
-    """Materialize the result of a functional collective."""
+    """Materialize the result of a functional collective (and keep it in a compiled graph)."""
     if isinstance(tensor, funcol.AsyncCollectiveTensor):
         return tensor.wait()
+    if traced(tensor):
+        _keep_collective(tensor)
     return tensor
 
 
@@ -138,3 +140,74 @@ def run_autograd_engine(outputs, grad_outputs, *, retain_graph, create_graph, in
         allow_unused,
         accumulate_grad,
     )
+
+
+# --------------------------------------------------------------------------- #
+# torch.compile
+# --------------------------------------------------------------------------- #
+# Under torch.compile the sharding rules run as ordinary Python while Dynamo
+# propagates fake tensors and AOTAutograd traces (fake, functional and proxy
+# dispatch modes are active). Rules that precompute small index or weight
+# tables with torch ops (halo plans, pooling boxes, interpolation taps) must
+# compute them on real tensors and hand them to the traced code as constants.
+
+
+def traced(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a stand-in that torch.compile traces with (fake or functional), not data."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor) or torch._is_functional_tensor(tensor)
+
+
+def real_tensors():
+    """Context manager: torch ops in the block make real tensors, even while torch.compile traces.
+
+    For metadata arithmetic done with torch ops (plans, index tables) whose
+    results are read back with ``.tolist()`` or cached across calls.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A small real tensor (an index or weight table) on ``like``'s device, usable where ``like`` is traced.
+
+    Eagerly this is ``table.to(like.device)``. When ``like`` is a tracing
+    stand-in, the values are re-created inside the trace (``torch.tensor``),
+    so they become a constant of the graph instead of a real tensor that fake
+    tensors refuse to mix with.
+    """
+    if not traced(like):
+        return table.to(like.device)
+    return torch.tensor(table.tolist(), dtype=table.dtype, device=like.device).reshape(table.shape)
+
+
+def graph_break(reason: str) -> Exception:
+    """An exception that makes Dynamo break the graph at the current call and run the call eagerly.
+
+    Raised by eager-only code (ring attention's point-to-point loop) when it
+    finds itself running on tracing stand-ins (see :func:`traced`).
+    """
+    from torch._dynamo.exc import Unsupported
+
+    return Unsupported(reason, gb_type="physicsnemo_dp eager-only op")
+
+
+# AOTAutograd drops a collective whose result is unused ("dead"), assuming
+# every rank traces the same graph. Ours differ per rank (shard sizes, empty
+# shards: a rank may compute nothing from what it receives), so a collective
+# dead on one rank only would be dropped there and hang the others. Every
+# traced collective result is therefore passed to this effectful no-op, which
+# AOTAutograd threads with a token to the graph's outputs and never drops.
+@torch.library.custom_op("physicsnemo_dp::keep_collective", mutates_args=())
+def _keep_collective(tensor: torch.Tensor) -> None:
+    """No-op at run time; in a traced graph it keeps the collective that made ``tensor``."""
+
+
+@_keep_collective.register_fake
+def _(tensor):
+    return None
+
+
+torch.library._register_effectful_op("physicsnemo_dp::keep_collective", torch._library.effects.EffectType.ORDERED)

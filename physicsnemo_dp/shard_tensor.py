@@ -13,6 +13,7 @@ tensor never requires grad, so gradients of ShardTensors are ShardTensors.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
@@ -21,8 +22,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import _layout, collectives, promotion
 from ._conversion import FromLocal, Redistribute, ToLocal
-from ._redistribute import grad_layout, target_layout
-from ._torch_compat import current_mesh, make_wrapper_subclass, torch_function_disabled
+from ._redistribute import grad_layout, redistribute_local, target_layout
+from ._torch_compat import current_mesh, make_wrapper_subclass, torch_function_disabled, traced
 from .dispatch import registry
 from .dispatch.torch_dispatch import handle_torch_dispatch
 from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
@@ -87,6 +88,38 @@ class ShardTensor(torch.Tensor):
         spec, requires_grad = meta
         return ShardTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
+    # torch.compile traces the backward ahead of time and must guess each
+    # tangent's layout. The guess is the gradient layout (Partial read as
+    # Replicate: a pending sum cannot be the layout of a gradient); a runtime
+    # gradient in another layout is redistributed to the guess.
+    def __coerce_tangent_metadata__(self) -> "ShardTensor":
+        target = grad_layout(self._spec)
+        return self if target == self._spec else _relayout(self, target)
+
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        spec, _ = flatten_spec
+        return self if spec == self._spec else _relayout(self, spec)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Key of this input in torch.compile's on-disk AOTAutograd cache.
+
+        Rules bake rank-specific facts into the graph (offsets, halo rows,
+        split sizes), so two ranks with the same layout and local shape still
+        compile different graphs: the key holds this rank's mesh coordinate
+        next to the layout, and is stable across processes.
+        """
+        spec, local = self._spec, self._local_tensor
+        mesh = spec.mesh
+        key = (
+            type(self).__qualname__, mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names,
+            tuple(mesh.mesh.flatten().tolist()), spec.coordinate, tuple(map(repr, spec.placements)),
+            spec.global_shape, spec.dim_sizes, str(spec.tensor_meta.dtype), self.requires_grad,
+            tuple(local.shape), tuple(local.stride()), str(local.dtype), str(local.device),
+        )  # fmt: skip
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return handle_torch_function(func, types, args, kwargs)
@@ -118,42 +151,7 @@ class ShardTensor(torch.Tensor):
 
         ``global_shape``, when given with ``"infer"`` or a dict, is checked.
         """
-        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, ShardTensor):
-            raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}")
-        mesh = device_mesh if device_mesh is not None else current_mesh()
-        if mesh is None:
-            raise PlacementError("from_local needs device_mesh= (or an active `with mesh:` block)")
-        placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
-        if isinstance(sharding_shapes, str) and sharding_shapes == "infer":
-            # Gather first, validate after: every rank then checks the same facts.
-            shapes = _gather_local_metadata(local_tensor, mesh)
-            placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
-            dim_sizes = _layout.dim_sizes_from_local_shapes(shapes, tuple(mesh.shape), placements)
-        else:
-            _check_device(local_tensor, mesh)
-            placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
-            if isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
-                if global_shape is None:
-                    raise PlacementError('sharding_shapes="chunk" needs global_shape=')
-                dim_sizes = _layout.chunk_dim_sizes(tuple(global_shape), tuple(mesh.shape), placements)
-            elif isinstance(sharding_shapes, dict):
-                dim_sizes = _dim_sizes_from_dict(sharding_shapes, local_tensor, mesh, placements)
-            else:
-                raise PlacementError(
-                    f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}'
-                )
-        derived = _layout.global_shape_of(local_tensor.shape, placements, dim_sizes)
-        if global_shape is not None and tuple(global_shape) != derived:
-            raise PlacementError(
-                f"global_shape={tuple(global_shape)} does not match the shards, which make {derived}"
-            )
-        spec = ShardTensorSpec.from_sizes(mesh, placements, derived, local_tensor.dtype, dim_sizes)
-        if tuple(local_tensor.shape) != tuple(spec.local_shape):
-            raise PlacementError(
-                f"rank {torch.distributed.get_rank()}: local tensor has shape "
-                f"{tuple(local_tensor.shape)} but the layout gives it {tuple(spec.local_shape)}"
-            )
-        return FromLocal.apply(local_tensor, spec)
+        return _from_local(local_tensor, device_mesh, placements, sharding_shapes, global_shape)
 
     @classmethod
     def from_dtensor(cls, dtensor) -> "ShardTensor":
@@ -332,6 +330,58 @@ class ShardTensor(torch.Tensor):
 
 
 # --------------------------------------------------------------------------- #
+# from_local
+# --------------------------------------------------------------------------- #
+# Opaque to Dynamo: it records one call in the graph instead of tracing the
+# layout arithmetic and the construction of the subclass (AOTAutograd still
+# traces through it). Only the communication-free modes work under tracing.
+@torch.compiler.allow_in_graph
+def _from_local(local_tensor, device_mesh, placements, sharding_shapes, global_shape) -> ShardTensor:
+    if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, ShardTensor):
+        raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}")
+    mesh = device_mesh if device_mesh is not None else current_mesh()
+    if mesh is None:
+        raise PlacementError("from_local needs device_mesh= (or an active `with mesh:` block)")
+    placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
+    if isinstance(sharding_shapes, str) and sharding_shapes == "infer":
+        if traced(local_tensor):
+            raise PlacementError(
+                'from_local(sharding_shapes="infer") reads the other ranks\' shapes at run time, which '
+                'torch.compile cannot trace; inside a compiled region pass sharding_shapes="chunk" '
+                "(with global_shape=) or a dict of the shards' shapes"
+            )
+        # Gather first, validate after: every rank then checks the same facts.
+        shapes = _gather_local_metadata(local_tensor, mesh)
+        placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+        dim_sizes = _layout.dim_sizes_from_local_shapes(shapes, tuple(mesh.shape), placements)
+    else:
+        _check_device(local_tensor, mesh)
+        placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+        if isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
+            if global_shape is None:
+                raise PlacementError('sharding_shapes="chunk" needs global_shape=')
+            dim_sizes = _layout.chunk_dim_sizes(tuple(global_shape), tuple(mesh.shape), placements)
+        elif isinstance(sharding_shapes, dict):
+            dim_sizes = _dim_sizes_from_dict(sharding_shapes, local_tensor, mesh, placements)
+        else:
+            raise PlacementError(
+                f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}'
+            )
+    derived = _layout.global_shape_of(local_tensor.shape, placements, dim_sizes)
+    if global_shape is not None and tuple(global_shape) != derived:
+        raise PlacementError(
+            f"global_shape={tuple(global_shape)} does not match the shards, which make {derived}"
+        )
+    spec = ShardTensorSpec.from_sizes(mesh, placements, derived, local_tensor.dtype, dim_sizes)
+    if tuple(local_tensor.shape) != tuple(spec.local_shape):
+        raise PlacementError(
+            f"rank {torch.distributed.get_rank()}: local tensor has shape "
+            f"{tuple(local_tensor.shape)} but the layout gives it {tuple(spec.local_shape)}"
+        )
+    return FromLocal.apply(local_tensor, spec)
+
+
+# --------------------------------------------------------------------------- #
 # from_local helpers
 # --------------------------------------------------------------------------- #
 def _check_device(local: torch.Tensor, mesh: DeviceMesh) -> None:
@@ -399,3 +449,10 @@ def _dim_sizes_from_dict(shapes_by_mesh_dim: dict, local, mesh, placements) -> t
                 )
         tables[d] = tuple(s[d] for s in shapes)
     return tuple(tables)
+
+
+def _relayout(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
+    """``x`` in layout ``spec``: differentiable when ``x`` requires grad, a plain move otherwise."""
+    if x.requires_grad:
+        return Redistribute.apply(x, spec)
+    return ShardTensor(redistribute_local(x._local_tensor, x._spec, spec), spec, requires_grad=False)

@@ -111,6 +111,11 @@ class ShardTensorSpec(DTensorSpec):
         """Per tensor dim: ``None`` (not sharded) or the extent of every shard."""
         return self._dim_sizes
 
+    @cached_property
+    def has_partial(self) -> bool:
+        """Whether a mesh dim holds a pending reduction (cached: the dispatch fast path asks on every op)."""
+        return any(p.is_partial() for p in self.placements)
+
     def local_shape_at(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Local shape of the rank at mesh coordinate ``coord``."""
         return _layout.local_shape_of(

@@ -23,7 +23,7 @@ __all__ = ["handle_torch_dispatch"]
 
 def handle_torch_dispatch(func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    if len(dispatch_handlers) or len(named_function_handlers):
+    if dispatch_handlers._handlers or named_function_handlers._handlers:  # skip both lookups when none is registered
         handler = dispatch_handlers.get(func)
         if handler is None and isinstance(func, torch._ops.OpOverload):
             handler = named_function_handlers.get(str(func))

@@ -9,9 +9,9 @@ from ..._redistribute import redistribute_local
 from ..torch_function import _shard_tensor_cls
 
 
-def shard_tensor_cls():
-    """ShardTensor, imported on first use (the class module imports the dispatch layer)."""
-    return _shard_tensor_cls()
+#: ShardTensor, imported on first use (the class module imports the dispatch layer). An alias,
+#: not a wrapper: it runs several times per op on the dispatch fast path.
+shard_tensor_cls = _shard_tensor_cls
 
 
 def broadcast_shape(*shapes) -> tuple[int, ...]:

@@ -101,25 +101,40 @@ def _same_spec_fast_path(func, args, kwargs, ShardTensor):
     """Result for the common call, or None: every ShardTensor shares one spec, no pending sums,
     the rest are Python scalars or 0-d tensors."""
     spec = None
+    local_args = []
     for a in args:
         if type(a) is ShardTensor:
             if spec is None:
                 spec = a._spec
             elif a._spec is not spec:
                 return None
+            local_args.append(a._local_tensor)
         elif isinstance(a, torch.Tensor):
             if a.ndim:
                 return None
+            local_args.append(a)
         elif isinstance(a, (list, tuple)):
             return None
-    if spec is None or kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        else:
+            local_args.append(a)
+    if spec is None or spec.has_partial or kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return None
-    if any(p.is_partial() for p in spec.placements):
-        return None
-    local = func(*[a._local_tensor if type(a) is ShardTensor else a for a in args], **kwargs)
-    if func._schema.is_mutable and type(args[0]) is ShardTensor:
+    local = func(*local_args, **kwargs)
+    if _is_mutable(func) and type(args[0]) is ShardTensor:
         return args[0]
     return _wrap_result(local, spec)
+
+
+_MUTABLE: dict = {}
+
+
+def _is_mutable(func) -> bool:
+    """``func._schema.is_mutable``, memoised (ops are fixed objects; the schema lookup is not free)."""
+    try:
+        return _MUTABLE[func]
+    except KeyError:
+        mutable = _MUTABLE[func] = func._schema.is_mutable
+        return mutable
 
 
 def pointwise_rule(func, args, kwargs):

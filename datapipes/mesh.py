@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import h5py
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from ._files import atomic_path, expand_paths, open_h5
 from .decomposition import DomainDecomposition, balanced_sizes

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .errors import DataPipeError
 from .mesh import load_mesh_input, prepare_mesh

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import os
 import socket
 import sys
 import threading
@@ -97,6 +98,8 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, queu
         device_type = "cpu" if backend == "gloo" else "cuda"
         if device_type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:  # one thread pool per core, not per rank: ranks share the CPU
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -171,7 +174,7 @@ def launch(
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "physicsnemo_dp"])
     queue = ctx.Queue()
     port = _free_port()
     procs = [

@@ -1,6 +1,6 @@
 """Unstructured meshes and point clouds: prepare once, then read one contiguous range per rank.
 
-Preparation (:func:`prepare_mesh`, or ``python -m datapipes.prepare_mesh``)
+Preparation (:func:`prepare_mesh`, or ``python -m datapipes.prepare_cli``)
 sorts the points along a space-filling curve (:mod:`datapipes.sfc`) and writes
 an HDF5 file in which any contiguous range of points is a spatially compact
 piece of the domain. A domain of ``P`` ranks then needs no partitioner at
@@ -165,7 +165,7 @@ class MeshSource(Source):
                 if f.attrs.get("format") != FORMAT:
                     raise DataPipeError(
                         f"{path} is not a prepared mesh (format attribute {f.attrs.get('format')!r}); "
-                        "write it with datapipes.prepare_mesh or `python -m datapipes.prepare_mesh`"
+                        "write it with datapipes.prepare_mesh or `python -m datapipes.prepare_cli`"
                     )
                 if fields is None:
                     fields = sorted(f[FIELDS])

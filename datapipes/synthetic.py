@@ -160,7 +160,7 @@ def _torus(nu: int, nv: int, major: float = 1.0, minor: float = 0.4) -> MeshData
 
 
 def write_mesh_input(path, mesh: MeshData) -> Path:
-    """Write an unprepared mesh as ``.npz`` (the input of ``python -m datapipes.prepare_mesh``)."""
+    """Write an unprepared mesh as ``.npz`` (the input of ``python -m datapipes.prepare_cli``)."""
     arrays = {"points": mesh.points, **mesh.fields}
     if mesh.cells is not None:
         arrays["cells"] = mesh.cells

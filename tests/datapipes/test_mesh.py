@@ -8,7 +8,7 @@ import pytest
 
 from datapipes import DataPipeError, DecompositionError, MeshSource, Split, prepare_mesh
 from datapipes.mesh import load_mesh_input
-from datapipes.prepare_mesh import main as prepare_main
+from datapipes.prepare_cli import main as prepare_main
 from datapipes.synthetic import point_cloud, write_mesh_input
 
 

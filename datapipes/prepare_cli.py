@@ -1,7 +1,7 @@
 """Command line: sort meshes along a space-filling curve for domain-parallel reading.
 
-    python -m datapipes.prepare_mesh car.npz -o prepared/car.h5
-    python -m datapipes.prepare_mesh raw/*.npz -o prepared/ --curve morton
+    python -m datapipes.prepare_cli car.npz -o prepared/car.h5
+    python -m datapipes.prepare_cli raw/*.npz -o prepared/ --curve morton
 
 Inputs are ``.npz`` or HDF5 files with ``points``, optional ``cells`` and
 per-point fields (see :func:`datapipes.mesh.load_mesh_input`); each is written
@@ -23,7 +23,7 @@ from .sfc import CURVES, DEFAULT_BITS
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m datapipes.prepare_mesh",
+        prog="python -m datapipes.prepare_cli",
         description="Reorder meshes along a space-filling curve so that each rank of a domain-parallel "
                     "job reads one contiguous, spatially compact range of points.",
     )

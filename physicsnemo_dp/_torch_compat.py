@@ -7,8 +7,12 @@ here and nothing else needs to know.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
@@ -24,6 +28,13 @@ __all__ = [
     "broadcast",
     "wait",
     "current_mesh",
+    "traced",
+    "real_tensors",
+    "on_real_tensors",
+    "graph_constant",
+    "graph_break",
+    "aot_cache_bypass",
+    "pad_builtin",
 ]
 
 
@@ -64,24 +75,28 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_dim):
-    return wait(
-        funcol.all_to_all_single(
-            tensor, list(output_split_sizes), list(input_split_sizes), _group(mesh, mesh_dim)
+    with _in_its_pass():
+        return wait(
+            funcol.all_to_all_single(
+                tensor, list(output_split_sizes), list(input_split_sizes), _group(mesh, mesh_dim)
+            )
         )
-    )
 
 
 def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim):
-    return wait(funcol.all_gather_single(tensor, gather_dim, _group(mesh, mesh_dim)))
+    with _in_its_pass():
+        return wait(funcol.all_gather_single(tensor, gather_dim, _group(mesh, mesh_dim)))
 
 
 def all_reduce(tensor, reduce_op: str, mesh, mesh_dim):
-    return wait(funcol.all_reduce(tensor, reduce_op, _group(mesh, mesh_dim)))
+    with _in_its_pass():
+        return wait(funcol.all_reduce(tensor, reduce_op, _group(mesh, mesh_dim)))
 
 
 def broadcast(tensor, src_group_rank: int, mesh, mesh_dim):
     # The functional op takes the source's rank *within the group*.
-    return wait(funcol.broadcast(tensor, src_group_rank, _group(mesh, mesh_dim)))
+    with _in_its_pass():
+        return wait(funcol.broadcast(tensor, src_group_rank, _group(mesh, mesh_dim)))
 
 
 def current_mesh():
@@ -170,6 +185,22 @@ def real_tensors():
     return _disable_current_modes()
 
 
+def on_real_tensors(fn):
+    """Decorator: ``fn`` always computes on real tensors (see :func:`real_tensors`).
+
+    For planners whose torch-op results are cached (``lru_cache``) or read
+    back as Python numbers: traced stand-ins would make the reads
+    data-dependent, and a cached real table later meets fake tensors.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with real_tensors():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A small real tensor (an index or weight table) on ``like``'s device, usable where ``like`` is traced.
 
@@ -183,6 +214,11 @@ def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(table.tolist(), dtype=table.dtype, device=like.device).reshape(table.shape)
 
 
+#: The builtin behind ``F.pad``. Dynamo inlines the Python ``F.pad`` and records
+#: this call instead, so a ``F.pad`` handler must be registered for it too.
+pad_builtin = torch._C._nn.pad
+
+
 def graph_break(reason: str) -> Exception:
     """An exception that makes Dynamo break the graph at the current call and run the call eagerly.
 
@@ -192,6 +228,13 @@ def graph_break(reason: str) -> Exception:
     from torch._dynamo.exc import Unsupported
 
     return Unsupported(reason, gb_type="physicsnemo_dp eager-only op")
+
+
+def aot_cache_bypass(reason: str) -> Exception:
+    """The exception that makes AOTAutograd skip its on-disk cache for the graph being compiled."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+    return BypassAOTAutogradCache(reason)
 
 
 # AOTAutograd drops a collective whose result is unused ("dead"), assuming
@@ -211,3 +254,28 @@ def _(tensor):
 
 
 torch.library._register_effectful_op("physicsnemo_dp::keep_collective", torch._library.effects.EffectType.ORDERED)
+
+
+# AOTAutograd's min-cut partitioner moves backward ops that do not depend on
+# the incoming gradients into the forward graph. On a rank whose share of a
+# backward collective is empty (made from zeros, not from the gradients) that
+# would move the collective to the forward there only, and the ranks would
+# pair different collectives. A collective traced in the backward is tagged
+# to stay in the backward graph, on every rank.
+def _in_its_pass():
+    if fx_traceback.current_meta.get("partitioner_tag") != "is_backward":
+        return _NO_PIN
+    return _pinned_to_backward()
+
+
+_NO_PIN = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _pinned_to_backward():
+    meta = fx_traceback.current_meta
+    meta["partitioner_tag"] = "must_be_in_backward"
+    try:
+        yield
+    finally:
+        meta["partitioner_tag"] = "is_backward"

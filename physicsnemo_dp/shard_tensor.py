@@ -13,7 +13,6 @@ tensor never requires grad, so gradients of ShardTensors are ShardTensors.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
 
 import torch
@@ -23,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from . import _layout, collectives, promotion
 from ._conversion import FromLocal, Redistribute, ToLocal
 from ._redistribute import grad_layout, redistribute_local, target_layout
-from ._torch_compat import current_mesh, make_wrapper_subclass, torch_function_disabled, traced
+from ._torch_compat import aot_cache_bypass, current_mesh, make_wrapper_subclass, torch_function_disabled, traced
 from .dispatch import registry
 from .dispatch.torch_dispatch import handle_torch_dispatch
 from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
@@ -41,6 +40,13 @@ _DTYPES = (
     torch.bool,
 )  # fmt: skip
 _MAX_NDIM = 16
+
+
+#: torch.compile treats ShardTensor as opaque: its graphs record torch calls on
+#: ShardTensors and the handlers run as plain Python while they are traced.
+#: Dynamo must not compile the handlers' own frames either when a call runs
+#: eagerly inside a compiled function (at a graph break, e.g. ring attention).
+_handle_torch_function = torch.compiler.disable(handle_torch_function)
 
 
 class ShardTensor(torch.Tensor):
@@ -103,26 +109,21 @@ class ShardTensor(torch.Tensor):
         return self if spec == self._spec else _relayout(self, spec)
 
     def _stable_hash_for_caching(self) -> str:
-        """Key of this input in torch.compile's on-disk AOTAutograd cache.
+        """Refuse torch.compile's on-disk AOTAutograd cache for graphs with ShardTensor inputs.
 
-        Rules bake rank-specific facts into the graph (offsets, halo rows,
-        split sizes), so two ranks with the same layout and local shape still
-        compile different graphs: the key holds this rank's mesh coordinate
-        next to the layout, and is stable across processes.
+        That cache is keyed by the Dynamo graph (``conv2d(x, w)``) and its
+        inputs' metadata, but what AOTAutograd traces from it is decided by
+        the sharding rules: by this rank's place in the mesh (ranks with the
+        same layout and local shape compile different graphs) and by the
+        rules' code and registered handlers, none of which a key can see. A hit
+        could replay another rank's or an older library's graph. Inductor's
+        own cache, keyed by the traced graph itself, still applies.
         """
-        spec, local = self._spec, self._local_tensor
-        mesh = spec.mesh
-        key = (
-            type(self).__qualname__, mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names,
-            tuple(mesh.mesh.flatten().tolist()), spec.coordinate, tuple(map(repr, spec.placements)),
-            spec.global_shape, spec.dim_sizes, str(spec.tensor_meta.dtype), self.requires_grad,
-            tuple(local.shape), tuple(local.stride()), str(local.dtype), str(local.device),
-        )  # fmt: skip
-        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+        raise aot_cache_bypass("ShardTensor graphs depend on the rank and on the sharding rules")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return handle_torch_function(func, types, args, kwargs)
+        return _handle_torch_function(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

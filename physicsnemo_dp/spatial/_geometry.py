@@ -67,6 +67,15 @@ class Strided:
         lo = o0 * self.stride - self.pad_left
         return lo, (o1 - 1) * self.stride - self.pad_left + self.dilation * (self.kernel - 1) + 1
 
+    def symmetric(self) -> bool:
+        """Whether torch's own symmetric ``padding=pad_left`` gives exactly these outputs.
+
+        True unless the padding after differs in a way that changes the
+        output count ("same" with an even kernel puts one more row after).
+        """
+        span = self.dilation * (self.kernel - 1) + 1
+        return self.pad_left >= 0 and (self.in_size + 2 * self.pad_left - span) // self.stride + 1 == self.out_size
+
 
 @dataclass(frozen=True)
 class Transposed:

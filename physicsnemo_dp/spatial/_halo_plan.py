@@ -15,14 +15,16 @@ position reads one global row through the boundary mode:
 Only the *global* boundary is padded: inside ``[0, N)`` a window reads real
 rows, whoever owns them. Each rank receives every distinct row it needs and
 does not own exactly once (sorted by global index, hence by owner), then
-builds its window with one ``index_select`` over ``[local | received | fill]``.
+builds its window as one concatenation of slices of ``[local | received]`` and fill.
 So the bytes moved are exactly the halo volume, and replicated edge rows
 travel once, not once per use.
 
 Plans are functions of shard sizes and windows only, identical on every rank
 of the group (every rank computes what every other rank asks for, so it knows
 what to send). They are cached: a network applies the same few geometries
-over and over (``plan_dim.cache_clear()`` resets the cache).
+over and over (``plan_dim.cache_clear()`` resets the cache). Plans are real
+tensors even while torch.compile traces; the executor hands their index
+tables to the traced ops as graph constants.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._torch_compat import on_real_tensors
 from ..split import offsets_from_sizes
 
 BOUNDARY_MODES = ("zeros", "constant", "replicate", "reflect", "circular")
@@ -65,8 +68,11 @@ class DimPlan:
     ``send_splits``/``recv_splits`` (rows per group rank) drive one
     ``all_to_all_v`` over ``mesh_dim``; ``exchange`` is False when no rank of
     the group needs a foreign row (then no collective is issued at all).
-    ``assembly`` indexes ``[local rows | received rows | one fill row]``;
-    ``identity`` says the window is exactly the local shard (nothing to do).
+    ``segments`` builds the window from ``[local rows | received rows]``:
+    runs ``(window start, source start, length)`` of consecutive rows of one
+    source (source ``-1``: the fill value), so the window is one
+    concatenation of slices; ``identity`` says the window is exactly the
+    local shard (nothing to do).
     """
 
     dim: int
@@ -75,7 +81,7 @@ class DimPlan:
     send_index: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    assembly: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
     exchange: bool
     fill: bool
     identity: bool
@@ -86,6 +92,7 @@ class DimPlan:
 
 
 @functools.lru_cache(maxsize=1024)
+@on_real_tensors
 def plan_dim(
     sizes: tuple[int, ...],
     windows: tuple[tuple[int, int], ...],
@@ -130,8 +137,29 @@ def plan_dim(
         send_index=torch.cat(sends),
         send_splits=tuple(len(s) for s in sends),
         recv_splits=recv_splits,
-        assembly=assembly,
+        segments=_segments(assembly.tolist(), local, n_recv),
         exchange=exchange,
         fill=fill,
         identity=not exchange and not fill and torch.equal(assembly, torch.arange(local)),
     )
+
+
+def _segments(assembly: list[int], local: int, received: int) -> tuple[tuple[int, int, int], ...]:
+    """Runs ``(window start, source start, length)`` of ``assembly``; source ``-1`` is the fill row.
+
+    A run holds consecutive source rows from one region (local rows, received
+    rows, or fill), so each run is one slice of one tensor.
+    """
+    fill = local + received
+
+    def region(i):
+        return 2 if i == fill else int(i >= local)
+
+    runs: list[list[int]] = []
+    for pos, i in enumerate(assembly):
+        last = runs[-1] if runs else None
+        if last is not None and region(i) == region(last[1]) and (i == fill or i == last[1] + last[2]):
+            last[2] += 1
+        else:
+            runs.append([pos, i, 1])
+    return tuple((pos, -1 if i == fill else i, n) for pos, i, n in runs)

@@ -16,8 +16,8 @@ the halo exchange assembles. The pieces:
 2. :func:`build` computes, from specs alone, the output layout (each window
    dim's size table from its map) and this rank's halo plans.
 3. :class:`WindowFunction` runs the exchange and a :class:`Kernel` on local
-   tensors. It returns the window as a second, non-differentiable output so
-   backward reuses it (no second exchange); backward sends the window's
+   tensors. It keeps the received halo rows so backward rebuilds the window
+   locally (no second exchange, no saved copy of the window); backward sends the window's
    gradient back to its owners and returns parameter gradients as
    ``Partial`` over the mesh dims that shard the input (promotion then sums
    them into the plain parameters' ``.grad``).
@@ -26,7 +26,7 @@ the halo exchange assembles. The pieces:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -106,20 +106,36 @@ class Geometry:
     fill_value: float
 
 
-def build(x_spec, maps: Mapping[int, object], out_shape: Sequence[int], mode: str, fill_value: float = 0.0) -> Geometry:
-    """Output spec, halo plans and local output ranges for window dims ``maps`` (dim -> map)."""
+def build(x_spec, maps: Mapping[int, object], out_shape: Sequence[int], mode: str, fill_value: float = 0.0,
+          native: Collection[int] = ()) -> Geometry:  # fmt: skip
+    """Output spec, halo plans and local output ranges for window dims ``maps`` (dim -> map).
+
+    ``native`` lists window dims this rank holds whole (see :func:`whole_extent`)
+    whose window the kernel applies itself (torch's own padding): they need no
+    halo plan, and this rank computes all of their outputs.
+    """
     tables = list(x_spec.dim_sizes)
     ranges = {}
     for d, dim_map in maps.items():
         sizes, me, _ = halo.group_sizes(x_spec, d)
-        ranges[d] = _geometry.out_ranges(dim_map, sizes)[me]
+        if d in native:
+            ranges[d], out_sizes = (0, out_shape[d]), (out_shape[d],)
+        else:
+            ranges[d] = _geometry.out_ranges(dim_map, sizes)[me]
+            out_sizes = _geometry.out_sizes(dim_map, sizes)
         if tables[d] is not None:
-            tables[d] = _geometry.out_sizes(dim_map, sizes)
+            tables[d] = out_sizes
     out_spec = ShardTensorSpec.from_sizes(
         x_spec.mesh, x_spec.placements, tuple(out_shape), x_spec.tensor_meta.dtype, tuple(tables)
     )
-    plans = halo.plan_windows(x_spec, {d: _windows_of(m) for d, m in maps.items()}, mode)
+    windowed = {d: _windows_of(m) for d, m in maps.items() if d not in native}
+    plans = halo.plan_windows(x_spec, windowed, mode)
     return Geometry(x_spec, out_spec, plans, ranges, fill_value)
+
+
+def whole_extent(x_spec, dim: int) -> bool:
+    """Whether every rank of this rank's group holds ``dim`` whole (unsharded, or sharded over one rank)."""
+    return len(halo.group_sizes(x_spec, dim)[0]) == 1
 
 
 def _windows_of(dim_map):
@@ -136,7 +152,10 @@ class Kernel:
     ops run with zero padding) and the local parameter tensors to the local
     output. ``vjp`` defaults to recomputing ``run`` under ``torch.func.vjp``
     (cheap for pooling, padding and interpolation; convolution overrides it
-    with ``convolution_backward`` on the saved window).
+    with ``convolution_backward`` on the rebuilt window, and skips the
+    window's gradient when ``needs_window`` is False). The gradients ``vjp``
+    returns must be new tensors, never ``grad`` itself: the halo rows'
+    gradients are added into them in place.
     """
 
     geometry: Geometry
@@ -144,7 +163,7 @@ class Kernel:
     def run(self, window: torch.Tensor, params: tuple) -> torch.Tensor:
         raise NotImplementedError
 
-    def vjp(self, window, params: tuple, grad):
+    def vjp(self, window, params: tuple, grad, needs_window: bool = True):
         present = [i for i, p in enumerate(params) if p is not None]
 
         def f(w, *ps):
@@ -168,40 +187,54 @@ def _local_output(kernel: Kernel, window, params):
     return kernel.run(window, params)
 
 
-def _local_grads(kernel: Kernel, window, params, grad):
+def _local_grads(kernel: Kernel, window, params, grad, needs_window: bool):
     if 0 in grad.shape:
         return torch.zeros_like(window), tuple(None if p is None else torch.zeros_like(p) for p in params)
-    return kernel.vjp(window, params, grad)
+    return kernel.vjp(window, params, grad, needs_window)
 
 
 class WindowFunction(torch.autograd.Function):
-    """``(kernel, x, *params) -> (output ShardTensor, window)``; see the module doc."""
+    """``(kernel, x, *params) -> (output ShardTensor, window, *received rows)``; see the module doc.
+
+    Backward needs the window, but keeping it would hold a second copy of the
+    local input (with halo and padding) per layer. It keeps ``x`` (which the
+    caller's graph usually holds anyway, as torch's own ops do) and the
+    received halo rows, and rebuilds the window locally (no communication).
+    When ``x`` needs no gradient the mirror exchange is skipped altogether.
+    """
 
     @staticmethod
     def forward(kernel, x, *params):
         g = kernel.geometry
-        window = halo.gather(x._local_tensor, g.plans, g.in_spec.mesh, g.fill_value)
+        extended, received = halo.exchange(x._local_tensor, g.plans, g.in_spec.mesh)
+        window = halo.assemble(extended, received, g.plans, g.fill_value)
         local_params = tuple(None if p is None else p._local_tensor for p in params)
-        return wrap(_local_output(kernel, window, local_params), g.out_spec), window
+        return wrap(_local_output(kernel, window, local_params), g.out_spec), window, *received
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         kernel, x, *params = inputs
+        _, window, *received = output
         ctx.kernel = kernel
         ctx.params = tuple(None if p is None else p._local_tensor for p in params)
         ctx.param_meta = tuple(None if p is None else (tuple(p.shape), p.dtype) for p in params)
-        ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(output[1])
+        ctx.mark_non_differentiable(window, *received)
+        ctx.save_for_backward(x, *received)
 
     @staticmethod
-    def backward(ctx, grad, _window_grad):
-        (window,) = ctx.saved_tensors
+    def backward(ctx, grad, *_unused):
+        x, *received = ctx.saved_tensors
         g = ctx.kernel.geometry
+        window = halo.assemble(halo.extend(x._local_tensor, received, g.plans), received, g.plans, g.fill_value)
         ShardTensor = shard_tensor_cls()
         local_grad = to_layout(grad, grad_layout(g.out_spec)) if isinstance(grad, ShardTensor) else grad
-        grad_window, grad_params = _local_grads(ctx.kernel, window, ctx.params, local_grad.contiguous())
-        in_spec = grad_layout(g.in_spec)
-        grad_x = wrap(halo.scatter_add(grad_window, g.plans, in_spec.mesh), in_spec)
+        needs_x = ctx.needs_input_grad[1]
+        grad_window, grad_params = _local_grads(ctx.kernel, window, ctx.params, local_grad.contiguous(), needs_x)
+        del window  # rebuilt for the kernel only: free it before the gradient travels
+        grad_x = None
+        if needs_x:
+            in_spec = grad_layout(g.in_spec)
+            grad_x = wrap(halo.scatter_add(grad_window, g.plans, in_spec.mesh, owned=True), in_spec)
         wrapped = tuple(
             None if gp is None else wrap(gp, partial_spec(g.in_spec, *meta))
             for gp, meta in zip(grad_params, ctx.param_meta)

@@ -8,9 +8,11 @@ unbatched input.
 **Convolution.** Each rank computes the outputs anchored in its shard (see
 :mod:`._geometry`), from one window of input rows that one halo exchange per
 sharded dim assembles with the zero padding already in it; the local conv then
-runs with ``padding=0``. The window is saved for backward, which uses
-``convolution_backward`` and returns the window's gradient to its owners (the
-mirror exchange). The bytes moved are the halo rows and nothing else.
+runs with ``padding=0``. Backward rebuilds the window from the input and the
+received halo rows (kept, not the whole window), uses ``convolution_backward``
+and returns the window's gradient to its owners (the mirror exchange; skipped
+when the input needs no gradient). The bytes moved are the halo rows and
+nothing else.
 
 **Transposed convolution.** Output ``o`` sums contributions of the inputs
 ``i`` with ``o = i * stride - padding + j * dilation``. Each rank gathers the
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _geometry
-from ._window_op import Kernel, apply, build, meta_output, ntuple, prepare_input, replicated
+from ._window_op import Kernel, apply, build, meta_output, ntuple, prepare_input, replicated, whole_extent
 
 aten = torch.ops.aten
 
@@ -62,13 +64,14 @@ def _left_padding(padding, kernel, dilation, n) -> tuple[int, ...]:
 
 
 class _ConvKernel(Kernel):
-    def __init__(self, geometry, maps, weight_shape, stride, dilation, groups, transposed, batched):
+    def __init__(self, geometry, maps, weight_shape, stride, dilation, groups, transposed, batched, padding):
         self.geometry = geometry
         self.stride, self.dilation, self.groups = stride, dilation, groups
         self.transposed, self.batched = transposed, batched
         self.bias_sizes = [weight_shape[1] * groups if transposed else weight_shape[0]]
         n = len(stride)
         self.zeros = [0] * n
+        self.padding = list(padding)  # torch's own padding, on the dims the window leaves alone
         # Transposed: where the uncropped local output starts relative to this rank's outputs.
         self.crop = []
         for d, dim_map in maps.items():
@@ -88,7 +91,7 @@ class _ConvKernel(Kernel):
         weight, bias = params
         x = window if self.batched else window.unsqueeze(0)
         if not self.transposed:
-            out = aten.convolution(x, weight, bias, self.stride, self.zeros, self.dilation, False, self.zeros, self.groups)
+            out = aten.convolution(x, weight, bias, self.stride, self.padding, self.dilation, False, self.zeros, self.groups)
         else:
             out = self._transposed(x, weight)
             if bias is not None:
@@ -102,7 +105,7 @@ class _ConvKernel(Kernel):
         full = aten.convolution(x, weight, None, self.stride, self.zeros, self.dilation, True, self.zeros, self.groups)
         return F.pad(full, self._pads(1))
 
-    def vjp(self, window, params, grad):
+    def vjp(self, window, params, grad, needs_window=True):
         weight, bias = params
         x = window if self.batched else window.unsqueeze(0)
         g = grad if self.batched else grad.unsqueeze(0)
@@ -114,10 +117,12 @@ class _ConvKernel(Kernel):
             g = F.pad(g, self._pads(-1))
         gx, gw, gb = aten.convolution_backward(
             g, x, weight, None if bias is None or self.transposed else self.bias_sizes,
-            self.stride, self.zeros, self.dilation, self.transposed, self.zeros, self.groups,
-            [True, True, bias is not None and not self.transposed],
+            self.stride, self.padding, self.dilation, self.transposed, self.zeros, self.groups,
+            [needs_window, True, bias is not None and not self.transposed],
         )  # fmt: skip
-        return (gx if self.batched else gx.squeeze(0)), (gw, grad_bias if self.transposed else gb)
+        if gx is not None and not self.batched:
+            gx = gx.squeeze(0)
+        return gx, (gw, grad_bias if self.transposed else gb)
 
 
 def _convolution(func, n: int, transposed: bool, args, kwargs):
@@ -140,8 +145,13 @@ def _convolution(func, n: int, transposed: bool, args, kwargs):
             d: _geometry.Strided(x.shape[d], out_shape[d], k, s, dl, p)
             for d, k, s, dl, p in zip(spatial, kernel, stride, dilation, left)
         }
-    geometry = build(x._spec, maps, out_shape, mode="zeros")
-    conv_kernel = _ConvKernel(geometry, maps, tuple(weight.shape), stride, dilation, groups, transposed, x.ndim == n + 2)
+    # Dims this rank holds whole with symmetric padding need no window: torch pads them itself.
+    native = () if transposed else [d for d, m in maps.items() if whole_extent(x._spec, d) and m.symmetric()]
+    padding = [maps[d].pad_left if d in native else 0 for d in spatial]
+    geometry = build(x._spec, maps, out_shape, mode="zeros", native=native)
+    conv_kernel = _ConvKernel(
+        geometry, maps, tuple(weight.shape), stride, dilation, groups, transposed, x.ndim == n + 2, padding
+    )
     return apply(conv_kernel, x, replicated(weight), replicated(bias))
 
 

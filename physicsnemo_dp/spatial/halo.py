@@ -43,6 +43,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from .. import _layout, collectives
+from .._torch_compat import graph_constant
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import wrap
 from ..errors import PlacementError
@@ -102,59 +103,132 @@ def _widths_windows(left: int, right: int):
 def gather(local: torch.Tensor, plans: Sequence[DimPlan], mesh, value: float = 0.0) -> torch.Tensor:
     """This rank's window: ``local`` extended (or cut) along every planned dim.
 
-    Two phases. First every dim's exchange appends the received rows, so a
-    later dim's messages carry the earlier dims' halo rows (the corners) and
-    nothing else. Then each dim's window is assembled locally: fill,
+    Two phases. First every dim's exchange receives its rows, a later dim's
+    messages carrying the earlier dims' halo rows (the corners) and nothing
+    else. Then the window is cut from the local and received rows: fill,
     replicated and reflected rows are made by the receiver, never sent.
     """
-    for p in plans:
-        if p.exchange:
-            local = torch.cat([local, _exchange(local, p, mesh)], p.dim)
-    for p in plans:
-        if not p.identity:
-            local = _assemble(local, p, value)
+    extended, received = exchange(local, plans, mesh)
+    return assemble(extended, received, plans, value)
+
+
+def exchange(local: torch.Tensor, plans: Sequence[DimPlan], mesh):
+    """Phase one of :func:`gather`: ``(extended, received)``.
+
+    ``received`` holds the rows received per exchanging dim; ``extended`` is
+    ``local`` with all but the last of them appended (the last dim's rows are
+    never appended: the window is cut from both pieces directly, one copy).
+    The received rows alone, thin slabs, are what a caller keeps to rebuild
+    the window later (:func:`extend`, :func:`assemble`) instead of the window.
+    """
+    received = []
+    for p in _exchanging(plans):
+        if received:
+            local = torch.cat([local, received[-1]], prev)
+        received.append(_exchange(local, p, mesh))
+        prev = p.dim
+    return local, tuple(received)
+
+
+def extend(local: torch.Tensor, received: Sequence[torch.Tensor], plans: Sequence[DimPlan]) -> torch.Tensor:
+    """The ``extended`` of :func:`exchange` again, from its ``received`` (no communication)."""
+    for p, rows in zip(_exchanging(plans), received[:-1]):
+        local = torch.cat([local, rows], p.dim)
     return local
+
+
+def assemble(extended: torch.Tensor, received: Sequence[torch.Tensor], plans: Sequence[DimPlan], value: float = 0.0):
+    """Phase two of :func:`gather`: the window, from :func:`exchange`'s results."""
+    last = _last_exchanging(plans)
+    window = extended if last is None else _assemble([extended, received[-1]], last, value)
+    for p in plans:
+        if p is not last and not p.identity:
+            window = _assemble([window], p, value)
+    return window
+
+
+def _exchanging(plans):
+    return [p for p in plans if p.exchange]
+
+
+def _last_exchanging(plans):
+    exchanging = _exchanging(plans)
+    return exchanging[-1] if exchanging else None
 
 
 def _exchange(local, p: DimPlan, mesh):
     d = p.dim
-    send = local.index_select(d, p.send_index.to(local.device)).movedim(d, 0)
+    send = local.index_select(d, graph_constant(p.send_index, like=local)).movedim(d, 0)
     recv = collectives.all_to_all_v(send, p.send_splits, p.recv_splits, mesh, p.mesh_dim, kind=KIND)
     return recv.movedim(0, d)
 
 
-def _assemble(rows, p: DimPlan, value):
-    if p.fill:
-        shape = list(rows.shape)
-        shape[p.dim] = 1
-        rows = torch.cat([rows, rows.new_full(shape, value)], p.dim)
-    return rows.index_select(p.dim, p.assembly.to(rows.device))
+def _assemble(pieces: Sequence[torch.Tensor], p: DimPlan, value) -> torch.Tensor:
+    """The window along ``p.dim``: one concatenation of the plan's segments of ``pieces`` (joined along it)."""
+    d, parts = p.dim, [pieces[0].narrow(p.dim, 0, 0)]  # an empty window when there are no segments
+    for _, src, n in p.segments:
+        if src < 0:
+            shape = list(pieces[0].shape)
+            shape[d] = n
+            parts.append(pieces[0].new_full(shape, value))
+            continue
+        for piece in pieces:
+            if src < piece.shape[d]:
+                parts.append(piece.narrow(d, src, n))
+                break
+            src -= piece.shape[d]
+    return parts[-1] if len(parts) == 2 else torch.cat(parts, d)
 
 
-def scatter_add(grad: torch.Tensor, plans: Sequence[DimPlan], mesh) -> torch.Tensor:
-    """Adjoint of :func:`gather`: every window row's gradient added to the row's owner."""
+def scatter_add(grad: torch.Tensor, plans: Sequence[DimPlan], mesh, *, owned: bool = False) -> torch.Tensor:
+    """Adjoint of :func:`gather`: every window row's gradient added to the row's owner.
+
+    ``owned=True`` lets the returned gradients be added into ``grad`` in place
+    (the caller made ``grad`` and does not need it): the result is then a view
+    of it, not a copy.
+    """
+    last = _last_exchanging(plans)
     for p in reversed(plans):
-        if not p.identity:
-            grad = _disassemble(grad, p)
-    for p in reversed(plans):
-        if p.exchange:
-            grad = _return(grad, p, mesh)
-    return grad.contiguous()
+        if p is not last and not p.identity:
+            (grad,), (fresh,) = _disassemble(grad, p, (p.local_rows + p.received_rows,))
+            owned = owned or fresh
+    if last is not None:
+        (local, rows), (fresh, _) = _disassemble(grad, last, (last.local_rows, last.received_rows))
+        grad = _return(local, rows, last, mesh, owned or fresh)
+    for p in reversed(_exchanging(plans)[:-1]):
+        grad = _return(grad.narrow(p.dim, 0, p.local_rows), grad.narrow(p.dim, p.local_rows, p.received_rows), p, mesh, True)
+    return grad
 
 
-def _disassemble(grad, p: DimPlan):
-    shape = list(grad.shape)
-    shape[p.dim] = p.local_rows + p.received_rows + int(p.fill)
-    pooled = grad.new_zeros(shape).index_add_(p.dim, p.assembly.to(grad.device), grad)
-    return pooled.narrow(p.dim, 0, p.local_rows + p.received_rows)
+def _disassemble(grad, p: DimPlan, extents: Sequence[int]) -> tuple[list[torch.Tensor], list[bool]]:
+    """Adjoint of :func:`_assemble`: the gradient of each piece, and whether it is a new tensor.
+
+    Where one segment covers a piece its gradient is a view of ``grad`` (no copy).
+    """
+    d, out, fresh, offset = p.dim, [], [], 0
+    for extent in extents:
+        mine = [(pos, src - offset, n) for pos, src, n in p.segments if offset <= src < offset + extent]
+        if len(mine) == 1 and mine[0][1:] == (0, extent):
+            out.append(grad.narrow(d, mine[0][0], extent))
+            fresh.append(False)
+        else:
+            shape = list(grad.shape)
+            shape[d] = extent
+            piece = grad.new_zeros(shape)
+            for pos, src, n in mine:
+                piece.narrow(d, src, n).add_(grad.narrow(d, pos, n))
+            out.append(piece)
+            fresh.append(True)
+        offset += extent
+    return out, fresh
 
 
-def _return(grad, p: DimPlan, mesh):
-    """Send the received rows' gradients back to their owners and add them there."""
+def _return(grad, rows, p: DimPlan, mesh, in_place: bool):
+    """Send the received rows' gradients ``rows`` back to their owners and add them to ``grad`` there."""
     d = p.dim
-    back = grad.narrow(d, p.local_rows, p.received_rows).movedim(d, 0)
-    back = collectives.all_to_all_v(back.contiguous(), p.recv_splits, p.send_splits, mesh, p.mesh_dim, kind=KIND)
-    return grad.narrow(d, 0, p.local_rows).index_add(d, p.send_index.to(grad.device), back.movedim(0, d))
+    back = collectives.all_to_all_v(rows.movedim(d, 0).contiguous(), p.recv_splits, p.send_splits, mesh, p.mesh_dim, kind=KIND)
+    add = grad.index_add_ if in_place else grad.index_add
+    return add(d, graph_constant(p.send_index, like=grad), back.movedim(0, d))
 
 
 # --------------------------------------------------------------------------- #

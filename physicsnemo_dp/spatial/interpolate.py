@@ -28,6 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .._torch_compat import graph_constant, on_real_tensors
 from . import _geometry
 from ._window_op import Kernel, WindowFunction, build, meta_output, prepare_input
 from .pool import adaptive_pool
@@ -65,6 +66,7 @@ def _apply_1d(kind, rows: torch.Tensor, out_size: int, align_corners, scale) -> 
 
 
 @functools.lru_cache(maxsize=256)
+@on_real_tensors
 def taps(kind: str, in_size: int, out_size: int, align_corners, scale, dtype: torch.dtype):
     """``(positions, weights, map)``: output ``o`` = sum_t weights[o, t] * input[positions[o, t]].
 
@@ -105,20 +107,27 @@ class _Taps(Kernel):
 
     def __init__(self, geometry, tap_tables):
         self.geometry = geometry
-        self.steps = []
-        for d, (positions, weights, m) in tap_tables.items():
-            o0, o1 = geometry.ranges[d]
-            base = m.window(o0, o1)[0] if o1 > o0 else 0
-            self.steps.append((d, positions[o0:o1] - base, weights[o0:o1]))
+        self.steps = _local_taps(geometry, tap_tables)
 
     def run(self, window, params):
         x = window
         for d, positions, weights in self.steps:
             n, p = positions.shape
-            picked = x.index_select(d, positions.flatten().to(x.device)).unflatten(d, (n, p))
-            w = weights.to(x).reshape(n, p, *([1] * (x.ndim - d - 1)))
+            picked = x.index_select(d, graph_constant(positions, like=x).flatten()).unflatten(d, (n, p))
+            w = graph_constant(weights, like=x).to(x.dtype).reshape(n, p, *([1] * (x.ndim - d - 1)))
             x = (picked * w).sum(d + 1)
         return x
+
+
+@on_real_tensors
+def _local_taps(geometry, tap_tables):
+    """``(dim, positions, weights)`` of this rank's outputs, positions relative to its window."""
+    steps = []
+    for d, (positions, weights, m) in tap_tables.items():
+        o0, o1 = geometry.ranges[d]
+        base = m.window(o0, o1)[0] if o1 > o0 else 0
+        steps.append((d, positions[o0:o1] - base, weights[o0:o1]))
+    return steps
 
 
 def _kind(mode: str, antialias: bool) -> str:

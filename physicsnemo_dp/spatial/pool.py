@@ -28,6 +28,7 @@ from math import prod
 import torch
 import torch.nn.functional as F
 
+from .._torch_compat import graph_constant, on_real_tensors
 from ..dispatch.rules._common import wrap
 from . import _geometry
 from ._window_op import Kernel, WindowFunction, build, meta_output, ntuple, prepare_input
@@ -87,10 +88,11 @@ class _AvgPool(Kernel):
         n = len(self.scale)
         for i, factor in enumerate(self.scale):
             if factor is not None:
-                out = out * factor.to(out).reshape(-1, *([1] * (n - 1 - i)))
+                out = out * graph_constant(factor, like=out).to(out.dtype).reshape(-1, *([1] * (n - 1 - i)))
         return out
 
 
+@on_real_tensors
 def _divisor_factors(m: _geometry.Strided, o0, o1, count_include_pad, overridden):
     """Per-dim ``1 / count`` for outputs ``[o0, o1)``, following torch's avg-pool divisor."""
     if overridden:
@@ -123,7 +125,7 @@ def _max_pool(n):
         maps = _strided_maps(x, out_shape, n, kernel, stride, padding, dilation)
         geometry = build(x._spec, maps, out_shape, mode="constant", fill_value=float("-inf"))
         pool = _MaxPool(geometry, maps, n, kernel, stride, dilation)
-        out, window = WindowFunction.apply(pool, x)
+        out, window, *_ = WindowFunction.apply(pool, x)
         return (out, _indices(pool, window, x.shape)) if return_indices else out
 
     return handler
@@ -157,28 +159,17 @@ class Boxes(Kernel):
 
     def __init__(self, geometry, maps, reduce: str):
         self.geometry, self.reduce = geometry, reduce
-        self.dims, self.base, self.index, self.valid = list(maps), [], [], []
-        for d, m in maps.items():
-            o0, o1 = geometry.ranges[d]
-            base = m.window(o0, o1)[0] if o1 > o0 else 0
-            lo = torch.tensor(m.lo[o0:o1], dtype=torch.long) - base
-            hi = torch.tensor(m.hi[o0:o1], dtype=torch.long) - base
-            steps = lo[:, None] + torch.arange(int((hi - lo).max()) if o1 > o0 else 0)
-            self.base.append(base)
-            self.valid.append(steps < hi[:, None])
-            self.index.append(torch.minimum(steps, hi[:, None] - 1))
+        self.dims = list(maps)
+        self.base, self.index, self.mask = _box_tables(geometry, maps)
 
     def _boxes(self, window):
         """``(..., n_1, ..., n_k, box)`` values and the matching validity mask."""
         x, k = window, len(self.dims)
         lead = window.ndim - k
         for i, d in enumerate(self.dims):
-            x = x.index_select(d + i, self.index[i].flatten().to(x.device)).unflatten(d + i, self.index[i].shape)
+            x = x.index_select(d + i, graph_constant(self.index[i], like=x).flatten()).unflatten(d + i, self.index[i].shape)
         order = [*range(lead), *(lead + 2 * i for i in range(k)), *(lead + 2 * i + 1 for i in range(k))]
-        mask = self.valid[0]
-        for v in self.valid[1:]:
-            mask = (mask.unsqueeze(-2).unsqueeze(-1) & v.reshape(*([1] * (mask.ndim - 1)), v.shape[0], 1, -1)).flatten(-2)
-        return x.permute(order).flatten(-k), mask.to(x.device)
+        return x.permute(order).flatten(-k), graph_constant(self.mask, like=x)
 
     def run(self, window, params):
         x, mask = self._boxes(window)
@@ -195,11 +186,35 @@ class Boxes(Kernel):
         for i in reversed(range(len(self.dims))):
             n, width = self.index[i].shape
             o = torch.arange(n, device=t.device).reshape([n if a == lead + i else 1 for a in range(t.ndim)])
-            row = self.index[i].flatten().to(t.device)[o * width + t.remainder(width)] + self.base[i]
+            row = graph_constant(self.index[i], like=t).flatten()[o * width + t.remainder(width)] + self.base[i]
             t = t.div(width, rounding_mode="floor")
             flat = flat + row * stride
             stride *= shape[self.dims[i]]
         return flat
+
+
+@on_real_tensors
+def _box_tables(geometry, maps):
+    """Per window dim: the box origin ``base``, the ``(n, width)`` row table; and the joint validity mask.
+
+    Along each dim, output ``o`` reads rows ``lo[o] + t`` for ``t < width``
+    (rows past ``hi[o]`` repeat the last one); the mask, over the flattened
+    product of the dims' boxes, says which reads are real.
+    """
+    bases, index, valid = [], [], []
+    for d, m in maps.items():
+        o0, o1 = geometry.ranges[d]
+        base = m.window(o0, o1)[0] if o1 > o0 else 0
+        lo = torch.tensor(m.lo[o0:o1], dtype=torch.long) - base
+        hi = torch.tensor(m.hi[o0:o1], dtype=torch.long) - base
+        steps = lo[:, None] + torch.arange(int((hi - lo).max()) if o1 > o0 else 0)
+        bases.append(base)
+        valid.append(steps < hi[:, None])
+        index.append(torch.minimum(steps, hi[:, None] - 1))
+    mask = valid[0]
+    for v in valid[1:]:
+        mask = (mask.unsqueeze(-2).unsqueeze(-1) & v.reshape(*([1] * (mask.ndim - 1)), v.shape[0], 1, v.shape[1])).flatten(-2)
+    return bases, index, mask
 
 
 def adaptive_pool(x, out_shape, n: int, reduce: str):
@@ -208,7 +223,7 @@ def adaptive_pool(x, out_shape, n: int, reduce: str):
     maps = {d: _geometry.adaptive(x.shape[d], out_shape[d]) for d in range(x.ndim - n, x.ndim)}
     geometry = build(x._spec, maps, out_shape, mode="zeros")
     kernel = Boxes(geometry, maps, reduce)
-    out, window = WindowFunction.apply(kernel, x)
+    out, window, *_ = WindowFunction.apply(kernel, x)
     return out, window, kernel
 
 

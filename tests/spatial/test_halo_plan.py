@@ -39,8 +39,11 @@ def _simulate(sizes, windows, mode, value=0.0):
         received = torch.cat([sent[r][j] for r in range(len(sizes))])
         assert len(received) == p.received_rows
         volume += len(received)
-        source = torch.cat([locals_[j], received, torch.tensor([value])])
-        out.append(source[p.assembly])
+        source = torch.cat([locals_[j], received])
+        # the segments tile the window in order; each is a slice of the local and received rows, or fill
+        assert [pos for pos, _, _ in p.segments] == [sum(n for _, _, n in p.segments[:k]) for k in range(len(p.segments))]
+        pieces = [torch.full((n,), value) if src < 0 else source[src : src + n] for _, src, n in p.segments]
+        out.append(torch.cat(pieces) if pieces else torch.empty(0))
     return out, volume
 
 

@@ -1,0 +1,32 @@
+"""The compile matrix: every op family under ``torch.compile(fullgraph=True)`` against eager.
+
+Rows are the families of ``_cases.FAMILIES``, columns the backends; each cell
+runs on a 1-D mesh of 3 ranks (uneven shards, an empty one) and on the 2x2
+mesh, and on 1 rank (see ``_compare.FULL`` for which run where by default).
+Outputs, layouts, input, parameter gradients and buffers must match the eager run.
+"""
+
+import pytest
+
+from tests._harness import distributed
+
+from ._cases import FAMILIES
+from ._compare import compare, skip_unless_in_scope
+
+
+def _check(ctx, family, backend):
+    skip_unless_in_scope(ctx, backend)
+    for case in FAMILIES[family](ctx.mesh):
+        compare(case.fn, case.inputs, ctx.mesh, backend=backend, module=case.module, label=f"{family}: {case.label}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=900)
+def test_aot_eager(ctx, family):
+    _check(ctx, family, "aot_eager")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=1200)
+def test_inductor(ctx, family):
+    _check(ctx, family, "inductor")

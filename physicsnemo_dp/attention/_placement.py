@@ -10,7 +10,7 @@ local      queries only, or none none forward; dk/dv come back Partial (pending 
 kv_sharded keys/values only      2 all-reduces of the lse (max, sum) forward, 1 of
                                  ``delta`` backward; output and dq are Partial
 ring       queries and keys      key/value blocks travel the ring (P-1 hops), dk/dv
-                                 accumulators travel with them backward (P hops)
+                                 accumulators travel with them backward (P-1 hops)
 ========== ===================== ========================================================
 
 Every other mesh dim either shards a batch/head dim of all inputs alike (pure

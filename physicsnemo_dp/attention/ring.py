@@ -10,15 +10,18 @@ two key/value blocks and one tile of scores: memory is O(local queries x
 local keys) per step, never the global sequence.
 
 Backward (flash-attention recomputation): the key/value blocks travel the
-same ring again; with each goes its dk/dv *accumulator*. At each step a rank
-adds its queries' contribution to the block it holds and passes the
-accumulator on; after the last step one more hop brings every accumulator
-home (``P`` hops for gradients, ``P-1`` for keys/values). Both transfers are
-posted before the computation they are not needed for, so they overlap it.
+same ring again. A rank computes its own block's dk/dv contribution first and
+keeps it; every other block's *accumulator* is born at the rank after the
+owner and travels with the block, each rank adding its queries'
+contribution, until the hop after the last step brings it home to the owner,
+who adds its own. So accumulators make ``P - 1`` hops, as the keys/values
+do: each block's gradient crosses ``P - 1`` links, the minimum for a sum of
+``P`` contributions. Both transfers are posted before the computation they
+are not needed for, so they overlap it.
 
 Per step a rank sends ``k_j + v_j`` (block ``j``'s bytes, plus the mask's
 columns when the mask is split like the keys) forward, and
-``k_j + v_j + dk_j + dv_j`` backward (accumulators in float32 for half
+``k_j + v_j + dk_j + dv_j`` backward (each ``P - 1`` times per block) (accumulators in float32 for half
 types). Shard sizes may differ and be zero: every rank knows every block's
 shape from the layout, and empty blocks are neither sent nor computed.
 
@@ -121,19 +124,24 @@ def ring_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, o
     delta = (dout * out).sum(-1)
     dq = torch.zeros_like(g.q)
     block = _block(g, ring)
-    grads_in = None
+    own = grads_in = None
     for step in range(ring.size):
         src = ring.source(step)
         pending = ring.post(block, _BLOCK_DIMS, step, _KV) if step < ring.size - 1 else None
         dk, dv = attend_backward(g.q, block[0], block[1], _mask_of(block, g, ring), ring.rows0, ring.cols0[src],
                                  ring.tiles[src], options.scale, dout, lse, delta, dq)  # fmt: skip
-        if grads_in is not None:
-            for mine, arrived in zip((dk, dv), grads_in.wait()):
-                mine.add_(arrived)
-        if ring.size > 1:
-            grads_in = ring.post([dk, dv], _BLOCK_DIMS, step, _GRADS)  # the last hop brings each block's sum home
+        if step == 0:
+            own = dk, dv  # the own block's contribution stays home
+        else:
+            if grads_in is not None:
+                for mine, arrived in zip((dk, dv), grads_in.wait()):
+                    mine.add_(arrived)
+            # to the rank holding block ``src`` next; after the last step that is its owner
+            grads_in = ring.post([dk, dv], _BLOCK_DIMS, step, _GRADS)
         if pending is not None:
             block = pending.wait()
+    dk, dv = own
     if grads_in is not None:
-        dk, dv = grads_in.wait()
+        for mine, arrived in zip((dk, dv), grads_in.wait()):
+            mine.add_(arrived)
     return dq, dk, dv

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -100,6 +100,21 @@ def scaling_inputs(case: Case, mesh, strong: int, weak: int) -> dict[str, tuple[
         g = global_input(case.shape(global_extent)).to(device)
         pairs[kind] = (global_input(case.shape(plain_extent)).to(device), shard(g, mesh, case.dim))
     return pairs
+
+
+def scaling_runs(mesh, rows: int, cols: int, width: int, seq: int, dim: int) -> Iterator[tuple[str, nn.Module, dict]]:
+    """``(name, model, scaling_inputs(...))`` for every case, built one case at a time.
+
+    The memory and the throughput suites measure these same runs, so that their
+    byte and time ratios describe the same models on the same inputs. The conv
+    net is sharded along its ``rows``, the transformer block along its ``seq``
+    tokens; in weak scaling every rank holds a quarter of that extent (at least
+    one), so at 4 ranks the weak run's global input is as large as the strong one's.
+    """
+    extents = {"conv net": rows, "transformer block": seq}
+    for name, case in cases(width, cols, dim).items():
+        n = extents[name]
+        yield name, model(case, mesh), scaling_inputs(case, mesh, n, max(n // 4, 1))
 
 
 def mlp_pair(mesh, tokens: int, dim: int) -> dict[str, tuple[nn.Module, torch.Tensor]]:

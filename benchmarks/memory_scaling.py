@@ -37,11 +37,8 @@ def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int,
         compare_dtensor: bool = False) -> list[Result]:  # fmt: skip
     P = mesh.size()
     results = []
-    extents = {"conv net": rows, "transformer block": seq}
-    for name, case in _models.cases(width, cols, dim).items():
-        net = _models.model(case, mesh)
-        n = extents[name]
-        for kind, (plain, sharded) in _models.scaling_inputs(case, mesh, n, max(n // 4, 1)).items():
+    for name, net, inputs in _models.scaling_runs(mesh, rows, cols, width, seq, dim):
+        for kind, (plain, sharded) in inputs.items():
             single = peak_bytes(lambda: _models.train_step(net, plain))
             per_rank = over_ranks(peak_bytes(lambda: _models.train_step(net, sharded)), "max")
             baseline, target = (single / P, ("<=", 1.2)) if kind == "strong" else (single, None)

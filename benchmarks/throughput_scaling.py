@@ -59,11 +59,7 @@ def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int,
         compare_dtensor: bool = False) -> list[Result]:  # fmt: skip
     P = mesh.size()
     results = []
-    extents = {"conv net": rows, "transformer block": seq}
-    for name, case in _models.cases(width, cols, dim).items():
-        net = _models.model(case, mesh)
-        n = extents[name]
-        inputs = _models.scaling_inputs(case, mesh, n, max(n // 4, 1))
+    for name, net, inputs in _models.scaling_runs(mesh, rows, cols, width, seq, dim):
         runs = {
             f"{kind} {which}": (lambda x=x: _models.train_step(net, x))
             for kind, pair in inputs.items()

@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from physicsnemo_dp import ShardTensor, launch
 from physicsnemo_dp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from physicsnemo_dp.distributed import MeshContext
+from physicsnemo_dp.distributed import MeshContext, parallelize_model
 
-__all__ = ["training_parser", "build_context", "check_batch", "prepare_output", "finish", "RunLog", "fit",
-           "global_mean", "cosine_schedule", "plot_loss", "plot_fields", "plot_points", "on_ranks"]
+__all__ = ["training_parser", "build_context", "check_batch", "prepare_output", "finish", "main", "RunLog", "fit",
+           "global_mean", "cosine_schedule", "build_training", "plot_loss", "plot_fields", "plot_points",
+           "open_run", "close_run", "on_ranks"]
 
 
 # --------------------------------------------------------------------------- #
@@ -103,6 +104,16 @@ def finish(out: Path) -> None:
     if dist.get_rank() == 0:
         print(f"output folder: {out}", flush=True)
     dist.destroy_process_group()
+
+
+def main(run: Callable[[list[str] | None], dict], argv: list[str] | None = None) -> int:
+    """A training example's command line: ``run(argv)``, then :func:`finish`; returns the exit status 0.
+
+    Only the command line leaves the process group: the tests call ``run``
+    on their own ranks and keep the group for the next run.
+    """
+    finish(Path(run(argv)["out"]))
+    return 0
 
 
 # --------------------------------------------------------------------------- #
@@ -253,6 +264,21 @@ def cosine_schedule(optimizer, steps: int, warmup: int = 5):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def build_training(args: argparse.Namespace, context: MeshContext, make_model: Callable[[], torch.nn.Module],
+                   optimizer_class: type[torch.optim.Optimizer]) -> tuple:
+    """``(model, optimizer, scheduler)``, everything a checkpoint restores, on any layout.
+
+    The model is made right after seeding with ``--seed``, so every layout
+    (and one process) starts from the same weights, and parallelized
+    (synchronized from rank 0, then DDP / FSDP2 on the ddp axis) before the
+    optimizer is built over the parameters that training will update.
+    """
+    torch.manual_seed(args.seed)
+    model = parallelize_model(make_model().to(context.device), context)
+    optimizer = optimizer_class(model.parameters(), lr=args.lr)
+    return model, optimizer, cosine_schedule(optimizer, args.steps)
+
+
 # --------------------------------------------------------------------------- #
 # Plots (rank 0)
 # --------------------------------------------------------------------------- #
@@ -342,6 +368,52 @@ def _limits(arrays: dict) -> tuple:
         return None, None
     values = [torch.as_tensor(a) for a in arrays.values()]
     return min(float(v.min()) for v in values), max(float(v.max()) for v in values)
+
+
+# --------------------------------------------------------------------------- #
+# A training example's run: opened and closed the same way in every example
+# --------------------------------------------------------------------------- #
+def open_run(args: argparse.Namespace, context: MeshContext | None, name: str,
+             setup: str) -> tuple[MeshContext, Path, RunLog]:
+    """The run's mesh, output folder and log, whose first message is the layout.
+
+    ``context`` is passed by callers that already hold a mesh (the tests);
+    without it the mesh comes from the flags. Every example's log starts with
+    the same mesh line, so any run's layout can be read off its log (and the
+    torchrun tests look for it); ``setup`` describes the example's data.
+    """
+    context = context or build_context(args)
+    out = prepare_output(args)
+    log = RunLog(out, name, args)
+    log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
+             f"strategy={args.strategy}, {setup}, global batch {args.batch_size}")
+    return context, out, log
+
+
+def close_run(context: MeshContext, args: argparse.Namespace, out: Path, log: RunLog, *, title: str,
+              losses: list[float], test_loss: float, plot_prediction: Callable[[Path], Path], pipes: tuple,
+              model, optimizer) -> dict:
+    """Rank 0 draws ``loss.png`` and ``prediction.png`` and logs where; every rank closes the log and ``pipes``.
+
+    ``title`` names the model (the loss plot adds the layout);
+    ``plot_prediction(path)`` draws the example's own picture of a test
+    sample, and is called on rank 0 only, so the other ranks build no figure.
+    Returns the run's result, the same keys for every example: the losses, the
+    test loss, the output folder, the plots (empty off rank 0), the model and
+    its optimizer (for callers that continue from them).
+    """
+    files = {}
+    if dist.get_rank() == 0:
+        layout = f"mesh (ddp={context.ddp_size}, domain={context.domain_size}), {args.strategy}"
+        files["loss"] = plot_loss(out / "loss.png", losses, f"{title}, {layout}", test_loss=test_loss)
+        files["prediction"] = plot_prediction(out / "prediction.png")
+        for name, path in files.items():
+            log.info(f"{name} plot: {path}")
+    log.close()
+    for pipe in pipes:
+        pipe.close()
+    return {"losses": losses, "test_loss": test_loss, "out": out, "files": files, "model": model,
+            "optimizer": optimizer}
 
 
 # --------------------------------------------------------------------------- #

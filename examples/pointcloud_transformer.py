@@ -38,7 +38,7 @@ from torch import nn
 
 from datapipes import DomainPipe, MeshSource, prepare_mesh
 from datapipes.synthetic import point_cloud
-from physicsnemo_dp.distributed import MeshContext, parallelize_model
+from physicsnemo_dp.distributed import MeshContext
 from physicsnemo_dp.viz import rank_boxes
 
 import _common
@@ -160,12 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_training(args, context: MeshContext):
-    """The transformer, parallelized, its optimizer and LR schedule: everything a checkpoint restores."""
-    torch.manual_seed(args.seed)
-    model = PointTransformer(width=args.width, heads=args.heads, depth=args.depth)
-    model = parallelize_model(model.to(context.device), context)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    return model, optimizer, _common.cosine_schedule(optimizer, args.steps)
+    """The transformer, parallelized, its AdamW optimizer and LR schedule: everything a checkpoint restores."""
+    return _common.build_training(
+        args, context, lambda: PointTransformer(width=args.width, heads=args.heads, depth=args.depth), torch.optim.AdamW
+    )
 
 
 @torch.no_grad()
@@ -190,14 +188,9 @@ def evaluate(model, pipe, context: MeshContext):
 
 
 def run(argv=None, context: MeshContext | None = None) -> dict:
-    """Train and plot; returns the losses, the test loss, the output folder, the plots (rank 0), the model
-    and its optimizer."""
+    """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
-    context = context or _common.build_context(args)
-    out = _common.prepare_output(args)
-    log = _common.RunLog(out, "pointcloud-transformer", args)
-    log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
-             f"strategy={args.strategy}, {args.points} points per cloud, global batch {args.batch_size}")
+    context, out, log = _common.open_run(args, context, "pointcloud-transformer", f"{args.points} points per cloud")
     train, test = prepare_data(args, out)
     train_pipe, test_pipe = make_pipes(args, context, train, test)
     model, optimizer, scheduler = build_training(args, context)
@@ -205,31 +198,18 @@ def run(argv=None, context: MeshContext | None = None) -> dict:
     test_loss, cloud = evaluate(model, test_pipe, context)
     log.info(f"test loss ({len(test_pipe) * context.ddp_size} clouds): {test_loss:.6g} "
              f"(copying the measurement: {args.noise ** 2:.3g})")
-    files = {}
-    if dist.get_rank() == 0:
-        title = f"point transformer, mesh (ddp={context.ddp_size}, domain={context.domain_size}), {args.strategy}"
-        files["loss"] = _common.plot_loss(out / "loss.png", losses, title, test_loss=test_loss)
-        files["prediction"] = _common.plot_points(
-            out / "prediction.png", cloud["points"],
+    return _common.close_run(
+        context, args, out, log, title="point transformer", losses=losses, test_loss=test_loss,
+        plot_prediction=lambda path: _common.plot_points(
+            path, cloud["points"],
             {"measured (noisy input)": cloud["measured"], "truth: temperature": cloud["truth"],
              "prediction": cloud["prediction"], "|error|": (cloud["prediction"] - cloud["truth"]).abs()},
             owner=cloud["owner"], same_scale=("measured (noisy input)", "truth: temperature", "prediction"),
             title="test cloud 0, points with 0.35 < z < 0.65 (last panel: the rank that held each point)",
-        )
-        for name, path in files.items():
-            log.info(f"{name} plot: {path}")
-    log.close()
-    train_pipe.close()
-    test_pipe.close()
-    return {"losses": losses, "test_loss": test_loss, "out": out, "files": files, "model": model,
-            "optimizer": optimizer}
-
-
-def main(argv=None) -> int:
-    result = run(argv)
-    _common.finish(Path(result["out"]))
-    return 0
+        ),
+        pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
+    )
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_common.main(run))

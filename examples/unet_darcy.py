@@ -33,7 +33,7 @@ from torch import nn
 
 from datapipes import DomainPipe, HDF5Fields, Normalize, compute_statistics
 from datapipes.synthetic import darcy_flow, write_hdf5
-from physicsnemo_dp.distributed import MeshContext, parallelize_model
+from physicsnemo_dp.distributed import MeshContext
 from physicsnemo_dp.viz import rank_boxes
 
 import _common
@@ -132,12 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_training(args, context: MeshContext):
-    """The U-Net, parallelized (weights synchronized from rank 0, then DDP / FSDP2 on the ddp axis), its
-    optimizer and LR schedule: everything a checkpoint restores."""
-    torch.manual_seed(args.seed)
-    model = parallelize_model(UNet(width=args.width, depth=args.depth).to(context.device), context)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    return model, optimizer, _common.cosine_schedule(optimizer, args.steps)
+    """The U-Net, parallelized, its Adam optimizer and LR schedule: everything a checkpoint restores."""
+    return _common.build_training(args, context, lambda: UNet(width=args.width, depth=args.depth), torch.optim.Adam)
 
 
 @torch.no_grad()
@@ -167,45 +163,27 @@ def evaluate(model, pipe, normalize, context: MeshContext):
 
 
 def run(argv=None, context: MeshContext | None = None) -> dict:
-    """Train and plot; returns the losses, the test loss, the output folder, the plots (rank 0), the model
-    and its optimizer."""
+    """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
-    context = context or _common.build_context(args)
-    out = _common.prepare_output(args)
-    log = _common.RunLog(out, "unet-darcy", args)
-    log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
-             f"strategy={args.strategy}, grid {args.grid}x{args.grid}, global batch {args.batch_size}")
+    context, out, log = _common.open_run(args, context, "unet-darcy", f"grid {args.grid}x{args.grid}")
     train, test = prepare_data(args, out)
     train_pipe, test_pipe, normalize = make_pipes(args, context, train, test)
     model, optimizer, scheduler = build_training(args, context)
     losses = _common.fit(context, model, optimizer, scheduler, train_pipe, loss_fn, args, out, log)
     test_loss, sample = evaluate(model, test_pipe, normalize, context)
     log.info(f"test loss (normalized pressure, {len(test_pipe) * context.ddp_size} samples): {test_loss:.6g}")
-    files = {}
-    if dist.get_rank() == 0:
-        title = f"U-Net on Darcy flow, mesh (ddp={context.ddp_size}, domain={context.domain_size}), {args.strategy}"
-        files["loss"] = _common.plot_loss(out / "loss.png", losses, title, test_loss=test_loss)
-        files["prediction"] = _common.plot_fields(
-            out / "prediction.png",
+    return _common.close_run(
+        context, args, out, log, title="U-Net on Darcy flow", losses=losses, test_loss=test_loss,
+        plot_prediction=lambda path: _common.plot_fields(
+            path,
             {INPUT: sample[INPUT], "truth: pressure": sample["truth"], "prediction": sample["prediction"],
              "|error|": (sample["prediction"] - sample["truth"]).abs()},
             f"test sample {sample['sample']}" + (" (dashed: where the domain ranks' rows meet)" if sample["rows"] else ""),
             row_splits=sample["rows"], same_scale=("truth: pressure", "prediction"),
-        )
-        for name, path in files.items():
-            log.info(f"{name} plot: {path}")
-    log.close()
-    train_pipe.close()
-    test_pipe.close()
-    return {"losses": losses, "test_loss": test_loss, "out": out, "files": files, "model": model,
-            "optimizer": optimizer}
-
-
-def main(argv=None) -> int:
-    result = run(argv)
-    _common.finish(Path(result["out"]))
-    return 0
+        ),
+        pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
+    )
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_common.main(run))

@@ -16,6 +16,11 @@ load-balanced zig-zag order of :mod:`.zigzag`), boolean and additive
 float64/float32/bfloat16/float16, CPU (gloo) and CUDA (NCCL) with the same
 code. ``dropout_p`` must be 0 (ValueError otherwise).
 
+Library composites that call SDPA below autograd (``nn.MultiheadAttention``,
+``nn.TransformerEncoderLayer``) reach the fused kernel op instead — CPU's,
+or CUDA's flash, efficient or cuDNN kernel — and its backward; the rules of
+:mod:`.fused` run the same schedules for each, so those modules work unmodified.
+
 torch.compile: ring attention is a loop of point-to-point transfers with no
 graph representation, so its entry (:func:`.function.ring_attention`) is wrapped
 in ``torch.compiler.disable``: a compiled model containing it runs the

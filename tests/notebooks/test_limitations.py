@@ -41,6 +41,7 @@ EXPECTED = {
     "halo nested": ("PlacementError", "a halo exchange needs it sharded by one mesh dim"),
     "attention dropout": ("ValueError", "needs dropout_p=0"),
     "attention mask gradient": ("ValueError", "gives attn_mask no gradient"),
+    "attention debug mask": ("ValueError", "cannot return the debug attention mask"),
     "zigzag nested": ("PlacementError", "zig-zag reordering needs the sequence sharded by mesh dim"),
     # training
     "capabilities": ("CapabilityError", "does not declare supports_domain=True"),
@@ -108,6 +109,8 @@ def test_one_dim_mesh_cases(ctx, tmp_path):
     _check("attention dropout", lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1))
     mask = torch.zeros(6, 6, requires_grad=True)
     _check("attention mask gradient", lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention  # what SDPA runs on CUDA, asked for its debug mask
+    _check("attention debug mask", lambda: flash(q, q, q, 0.0, False, True))
 
     from physicsnemo_dp.distributed import MeshContext
 

@@ -35,6 +35,8 @@ __all__ = [
     "graph_break",
     "aot_cache_bypass",
     "pad_builtin",
+    "fused_cpu_attention",
+    "fused_cpu_attention_backward",
 ]
 
 
@@ -154,6 +156,18 @@ def run_autograd_engine(outputs, grad_outputs, *, retain_graph, create_graph, in
         tuple(inputs),
         allow_unused,
         accumulate_grad,
+    )
+
+
+def fused_cpu_attention(q, k, v, causal: bool, scale: float):
+    """PyTorch's fused (flash) CPU attention kernel on 4-D inputs: ``(out, lse)``, no score matrix held."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def fused_cpu_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """The kernel's backward: ``(dq, dk, dv)`` of one key block, given the queries' *final* ``out`` and ``lse``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )
 
 

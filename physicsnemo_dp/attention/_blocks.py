@@ -22,6 +22,14 @@ Tensors are *grouped*: queries ``(*B, Hk, g, L, E)`` and keys/values
 key head) and head broadcasting are plain matmul broadcasting. The plain
 PyTorch ops used here run on every device and dtype; half types are computed
 in float32.
+
+On CPU, tiles without a user mask (and with equal query and value head
+sizes) run on PyTorch's fused flash kernel instead, which never holds a tile
+of scores: a causal tile is cut into a fully visible part and a part causal
+from its top-left corner, the two patterns the kernel knows. Its backward
+takes the queries' final ``out`` and ``lse``, exactly the flash
+recomputation above, so it needs the output to be exact on this rank (not a
+share of a pending sum).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from .._torch_compat import fused_cpu_attention, fused_cpu_attention_backward
 
 NEG_INF = float("-inf")
 
@@ -124,40 +134,92 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_t: torch.Tensor, lse_t:
     lse.copy_(new)
 
 
+def _fused(q, v, mask) -> bool:
+    """Whether tiles can run on the fused CPU kernel (see the module doc)."""
+    return mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def _kernel_parts(tile: Tile) -> list[tuple[Tile, bool]]:
+    """``tile`` as ``(part, causal)``: parts fully visible (False) or causal from their top-left corner (True).
+
+    With ``diagonal = d``, key ``j`` is visible to query ``i`` iff ``j <= i + d``:
+    for ``d >= 0`` keys ``[0, d)`` are visible to every query and keys from
+    ``d`` on are top-left causal; for ``d < 0`` queries ``[0, -d)`` see
+    nothing and the rest are top-left causal.
+    """
+    d = tile.diagonal
+    if d is None:
+        return [(tile, False)]
+    if d < 0:
+        return [(Tile(tile.q_start - d, tile.q_len + d, tile.k_start, tile.k_len), True)] if tile.q_len > -d else []
+    parts = [(Tile(tile.q_start, tile.q_len, tile.k_start, min(d, tile.k_len)), False)] if d > 0 else []
+    if tile.k_len > d:
+        parts.append((Tile(tile.q_start, tile.q_len, tile.k_start + d, tile.k_len - d), True))
+    return parts
+
+
+def _flat(t: torch.Tensor, batch) -> torch.Tensor:
+    """Grouped ``(..., n, E)`` broadcast to ``batch`` as the kernel's ``(N, 1, n, E)``."""
+    return t.expand(*batch, *t.shape[-2:]).reshape(-1, 1, *t.shape[-2:])
+
+
 def attend(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, out, lse) -> None:
     """Add the tiles of block ``(k, v)`` to the running ``(out, lse)`` of queries ``q``.
 
     ``q`` is in the compute dtype; ``k``, ``v`` and ``mask`` (boolean: True =
     visible, or additive) may be in any dtype and are converted per tile.
     """
+    fused = _fused(q, v, mask)
     for tile in tiles:
-        qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, tile)
-        s = _scores(qt, kt, scale, mt, tile)
-        lse_t = torch.logsumexp(s, dim=-1)
-        p = s.sub_(_safe(lse_t).unsqueeze(-1)).exp_()
-        out_t = torch.matmul(p, vt.to(p.dtype))
-        rows = slice(tile.q_start, tile.q_start + tile.q_len)
-        merge_into(out[..., rows, :], lse[..., rows], out_t, lse_t)
+        for part, causal in _kernel_parts(tile) if fused else [(tile, None)]:
+            qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, part)
+            if fused:
+                batch = torch.broadcast_shapes(qt.shape[:-2], kt.shape[:-2])
+                o, l = fused_cpu_attention(_flat(qt, batch), _flat(kt.to(qt.dtype), batch),
+                                           _flat(vt.to(qt.dtype), batch), causal, scale)  # fmt: skip
+                out_t, lse_t = o.reshape(*batch, *o.shape[-2:]), l.reshape(*batch, l.shape[-1])
+            else:
+                s = _scores(qt, kt, scale, mt, part)
+                lse_t = torch.logsumexp(s, dim=-1)
+                out_t = torch.matmul(s.sub_(_safe(lse_t).unsqueeze(-1)).exp_(), vt.to(s.dtype))
+            rows = slice(part.q_start, part.q_start + part.q_len)
+            merge_into(out[..., rows, :], lse[..., rows], out_t, lse_t)
 
 
-def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, dout, lse, delta, dq):
+def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, dout, lse, delta, dq,
+                    out=None):  # fmt: skip
     """Gradient contributions of block ``(k, v)``: adds into ``dq``, returns ``(dk, dv)`` of the block.
 
     ``lse`` is the final log-sum-exp of the queries and ``delta`` is
-    ``rowsum(dout * out)``; both cover all of ``q``'s rows. ``dk``/``dv`` come
-    in the compute dtype with ``k``'s/``v``'s shape (query groups and broadcast
-    batch dims summed).
+    ``rowsum(dout * out)``; both cover all of ``q``'s rows. ``out``, the
+    queries' final output, is given when it is exact on this rank: then CPU
+    tiles may use the fused kernel. ``dk``/``dv`` come in the compute dtype
+    with ``k``'s/``v``'s shape (query groups and broadcast batch dims summed).
     """
     dk = torch.zeros(k.shape, dtype=dq.dtype, device=dq.device)
     dv = torch.zeros(v.shape, dtype=dq.dtype, device=dq.device)
+    fused = out is not None and _fused(q, v, mask)
     for tile in tiles:
-        qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, tile)
-        rows = slice(tile.q_start, tile.q_start + tile.q_len)
-        keys = slice(tile.k_start, tile.k_start + tile.k_len)
-        p = _scores(qt, kt, scale, mt, tile).sub_(_safe(lse[..., rows]).unsqueeze(-1)).exp_()
-        do = dout[..., rows, :]
-        dv[..., keys, :] += torch.matmul(p.transpose(-1, -2), do).sum_to_size(dv[..., keys, :].shape)
-        ds = torch.matmul(do, vt.to(p.dtype).transpose(-1, -2)).sub_(delta[..., rows].unsqueeze(-1)).mul_(p)
-        dq[..., rows, :] += (torch.matmul(ds, kt.to(ds.dtype)) * scale).sum_to_size(dq[..., rows, :].shape)
-        dk[..., keys, :] += (torch.matmul(ds.transpose(-1, -2), qt) * scale).sum_to_size(dk[..., keys, :].shape)
+        for part, causal in _kernel_parts(tile) if fused else [(tile, None)]:
+            qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, part)
+            rows = slice(part.q_start, part.q_start + part.q_len)
+            keys = slice(part.k_start, part.k_start + part.k_len)
+            if fused:
+                batch = torch.broadcast_shapes(qt.shape[:-2], kt.shape[:-2])
+                grads = fused_cpu_attention_backward(
+                    _flat(dout[..., rows, :], batch), _flat(qt, batch), _flat(kt.to(qt.dtype), batch),
+                    _flat(vt.to(qt.dtype), batch), _flat(out[..., rows, :], batch),
+                    lse[..., rows].expand(*batch, part.q_len).reshape(-1, 1, part.q_len), causal, scale,
+                )  # fmt: skip
+                gq, gk, gv = (g.reshape(*batch, *g.shape[-2:]) for g in grads)
+            else:
+                p = _scores(qt, kt, scale, mt, part).sub_(_safe(lse[..., rows]).unsqueeze(-1)).exp_()
+                do = dout[..., rows, :]
+                gv = torch.matmul(p.transpose(-1, -2), do)
+                ds = torch.matmul(do, vt.to(p.dtype).transpose(-1, -2)).sub_(delta[..., rows].unsqueeze(-1)).mul_(p)
+                gq = torch.matmul(ds, kt.to(ds.dtype)) * scale
+                gk = torch.matmul(ds.transpose(-1, -2), qt) * scale
+            dq[..., rows, :] += gq.sum_to_size(dq[..., rows, :].shape)
+            dk[..., keys, :] += gk.sum_to_size(dk[..., keys, :].shape)
+            dv[..., keys, :] += gv.sum_to_size(dv[..., keys, :].shape)
     return dk, dv

@@ -52,7 +52,8 @@ def local_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, 
         delta = collectives.all_reduce(delta, "sum", layout.q.mesh, layout.seq_mesh_dim)
     dq = torch.zeros_like(g.q)
     tiles, rows0, cols0 = _tiles(layout, options)
-    dk, dv = attend_backward(g.q, g.k, g.v, g.mask, rows0, cols0, tiles, options.scale, dout, lse, delta, dq)
+    exact = None if reduce_delta else out  # a kv_sharded output is one rank's share: no fused backward
+    dk, dv = attend_backward(g.q, g.k, g.v, g.mask, rows0, cols0, tiles, options.scale, dout, lse, delta, dq, exact)
     return dq, dk, dv
 
 

@@ -129,7 +129,7 @@ def ring_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, o
         src = ring.source(step)
         pending = ring.post(block, _BLOCK_DIMS, step, _KV) if step < ring.size - 1 else None
         dk, dv = attend_backward(g.q, block[0], block[1], _mask_of(block, g, ring), ring.rows0, ring.cols0[src],
-                                 ring.tiles[src], options.scale, dout, lse, delta, dq)  # fmt: skip
+                                 ring.tiles[src], options.scale, dout, lse, delta, dq, out)  # fmt: skip
         if step == 0:
             own = dk, dv  # the own block's contribution stays home
         else:

@@ -55,7 +55,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if type(t) in _PLAIN}
         for t in tree_leaves(out):
-            if type(t) not in _PLAIN:
+            if type(t) not in _PLAIN or t.is_meta:  # meta tensors (shape checks) hold no memory
                 continue
             storage = t.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()

@@ -219,6 +219,7 @@ class WindowFunction(torch.autograd.Function):
         ctx.params = tuple(None if p is None else p._local_tensor for p in params)
         ctx.param_meta = tuple(None if p is None else (tuple(p.shape), p.dtype) for p in params)
         ctx.mark_non_differentiable(window, *received)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the window and the halo rows
         ctx.save_for_backward(x, *received)
 
     @staticmethod

@@ -14,6 +14,10 @@ and returns the window's gradient to its owners (the mirror exchange; skipped
 when the input needs no gradient). The bytes moved are the halo rows and
 nothing else.
 
+A stride-1 "same" convolution sharded along one dim skips the window copy:
+:mod:`._seam_conv` convolves the local rows with torch's own padding and
+corrects the rows at the two seams from the received halo rows (linearity).
+
 **Transposed convolution.** Output ``o`` sums contributions of the inputs
 ``i`` with ``o = i * stride - padding + j * dilation``. Each rank gathers the
 inputs that touch its outputs (again one exchange per sharded dim), runs the
@@ -36,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _geometry
+from . import _geometry, _seam_conv
 from ._window_op import Kernel, apply, build, meta_output, ntuple, prepare_input, replicated, whole_extent
 
 aten = torch.ops.aten
@@ -149,6 +153,9 @@ def _convolution(func, n: int, transposed: bool, args, kwargs):
     native = () if transposed else [d for d, m in maps.items() if whole_extent(x._spec, d) and m.symmetric()]
     padding = [maps[d].pad_left if d in native else 0 for d in spatial]
     geometry = build(x._spec, maps, out_shape, mode="zeros", native=native)
+    seams = None if transposed else _seam_conv.plan(geometry, maps, x.ndim == n + 2, dilation, groups, padding)
+    if seams is not None:
+        return _seam_conv.SeamConvFunction.apply(seams, x, replicated(weight), replicated(bias))[0]
     conv_kernel = _ConvKernel(
         geometry, maps, tuple(weight.shape), stride, dilation, groups, transposed, x.ndim == n + 2, padding
     )

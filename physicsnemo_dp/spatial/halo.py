@@ -194,9 +194,9 @@ def scatter_add(grad: torch.Tensor, plans: Sequence[DimPlan], mesh, *, owned: bo
             owned = owned or fresh
     if last is not None:
         (local, rows), (fresh, _) = _disassemble(grad, last, (last.local_rows, last.received_rows))
-        grad = _return(local, rows, last, mesh, owned or fresh)
+        grad = send_back(local, rows, last, mesh, owned or fresh)
     for p in reversed(_exchanging(plans)[:-1]):
-        grad = _return(grad.narrow(p.dim, 0, p.local_rows), grad.narrow(p.dim, p.local_rows, p.received_rows), p, mesh, True)
+        grad = send_back(grad.narrow(p.dim, 0, p.local_rows), grad.narrow(p.dim, p.local_rows, p.received_rows), p, mesh, True)
     return grad
 
 
@@ -223,8 +223,13 @@ def _disassemble(grad, p: DimPlan, extents: Sequence[int]) -> tuple[list[torch.T
     return out, fresh
 
 
-def _return(grad, rows, p: DimPlan, mesh, in_place: bool):
-    """Send the received rows' gradients ``rows`` back to their owners and add them to ``grad`` there."""
+def send_back(grad, rows, p: DimPlan, mesh, in_place: bool):
+    """Send the received rows' gradients ``rows`` back to their owners and add them to ``grad`` there.
+
+    The backward of one dim's exchange: ``grad`` is the gradient of the local
+    rows (added into in place with ``in_place``), ``rows`` of the received
+    ones, in the order they arrived.
+    """
     d = p.dim
     back = collectives.all_to_all_v(rows.movedim(d, 0).contiguous(), p.recv_splits, p.send_splits, mesh, p.mesh_dim, kind=KIND)
     add = grad.index_add_ if in_place else grad.index_add

@@ -106,6 +106,7 @@ class _Normalize(torch.autograd.Function):
         x, weight, bias, mean, _, stats = inputs
         _, x_hat, rstd, *_ = output
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
         ctx.save_for_backward(x_hat, rstd)
         ctx.stats, ctx.fixed = stats, mean is not None
         ctx.weight = None if weight is None else _param_box(weight, stats)

@@ -169,3 +169,31 @@ def test_bad_arguments_raise_torch_errors_on_every_rank(ctx):
         F.conv2d(x, grid((3, 5, 3, 3)))
     with pytest.raises(RuntimeError, match="Kernel size can't be greater"):
         F.conv2d(x, grid((3, 4, 30, 3)))
+
+
+@distributed(world_sizes=(3,), mesh_2d=False)
+def test_same_conv_along_one_sharded_dim_corrects_the_seams(ctx):
+    """A stride-1 "same" conv sharded along one dim runs as torch's conv of the local rows plus seam
+    corrections (no window copy); a shard thinner than the padding takes the window op. Either way
+    the result, input and parameter gradients are the single-device ones, with the same traffic."""
+    from physicsnemo_dp import ShardTensorSpec
+
+    x, w, b = grid((2, 4, 11, 9)), grid((6, 4, 5, 5), 1), grid((6,), 2)  # P = 2 along both dims
+    spec = ShardTensorSpec.from_sizes(ctx.mesh, (Shard(2),), tuple(x.shape), x.dtype, (None, None, (6, 1, 4), None))
+    xs = shard_from_global(x, spec, requires_grad=True)
+    ws, bs = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    with count_collectives() as fwd:
+        out = F.conv2d(xs, ws, bs, padding=2)
+    path = {0: "SeamConvFunction", 1: "WindowFunction", 2: "SeamConvFunction"}[ctx.rank]
+    assert type(out.grad_fn).__name__.startswith(path), type(out.grad_fn).__name__
+    gout = grid(tuple(out.shape), 3)
+    with count_collectives() as bwd:
+        out.backward(shard_from_global(gout, out._spec))
+    assert fwd.calls == {"halo": 1}
+    assert bwd.calls == {"halo": 1, "all_reduce": 2}  # the mirror exchange; the weight and bias gradients summed
+    xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
+    ref = F.conv2d(xr, wr, br, padding=2)
+    ref.backward(gout)
+    assert torch.allclose(out.full_tensor(), ref, atol=1e-12)
+    assert torch.allclose(xs.grad.full_tensor(), xr.grad, atol=1e-12)
+    assert torch.allclose(ws.grad, wr.grad, atol=1e-12) and torch.allclose(bs.grad, br.grad, atol=1e-12)

@@ -54,6 +54,7 @@ class _AlongDim(torch.autograd.Function):
         ctx.op = op
         if isinstance(output, tuple):  # (values, indices): the indices say where gradients go
             ctx.mark_non_differentiable(*output[1:])
+            ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
             ctx.save_for_backward(x, output[1])
             ctx.values_spec = output[0]._spec
         else:

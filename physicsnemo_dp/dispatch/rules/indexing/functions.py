@@ -50,6 +50,7 @@ class IndexRead(torch.autograd.Function):
         ctx.plan = plan_read(x._spec, _specs(x, indices), allow_negative)
         extras = output[1:]
         ctx.mark_non_differentiable(*extras)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
         ctx.save_for_backward(*extras)
 
     @staticmethod
@@ -75,6 +76,7 @@ class Gather(torch.autograd.Function):
         mesh = x._spec.mesh
         ctx.plan = plan_gather(x._spec, dim % max(x.ndim, 1), as_shard(index, mesh)._spec)
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
         ctx.save_for_backward(*output[1:])
 
     @staticmethod
@@ -98,6 +100,7 @@ class MaskRead(torch.autograd.Function):
         ctx.input_spec = x._spec
         ctx.out_spec = output[0]._spec
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
         ctx.save_for_backward(output[1])
 
     @staticmethod

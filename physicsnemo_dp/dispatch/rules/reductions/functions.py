@@ -135,6 +135,7 @@ class BestAlongDim(torch.autograd.Function):
         x, _, dim, keepdim = inputs
         ctx.red = Reduction(x._spec, reduced_dims(dim, x.ndim), keepdim)
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
         ctx.save_for_backward(output[1])
 
     @staticmethod

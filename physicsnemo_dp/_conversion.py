@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ._torch_compat import Function
 from ._redistribute import grad_layout, grad_of_contribution, redistribute_local
 
 
@@ -37,7 +38,7 @@ def _as_layout(grad, spec):
     return grad_of_contribution(grad, spec)
 
 
-class FromLocal(torch.autograd.Function):
+class FromLocal(Function):
     @staticmethod
     def forward(local, spec):
         return _shard_tensor_cls()(local.detach(), spec, requires_grad=False)
@@ -51,7 +52,7 @@ class FromLocal(torch.autograd.Function):
         return _as_layout(grad, ctx.spec), None
 
 
-class ToLocal(torch.autograd.Function):
+class ToLocal(Function):
     @staticmethod
     def forward(tensor, grad_spec):
         return tensor._local_tensor.view_as(tensor._local_tensor)
@@ -65,7 +66,7 @@ class ToLocal(torch.autograd.Function):
         return _shard_tensor_cls()(grad.contiguous(), ctx.grad_spec, requires_grad=False), None
 
 
-class Redistribute(torch.autograd.Function):
+class Redistribute(Function):
     @staticmethod
     def forward(tensor, dst_spec):
         local = redistribute_local(tensor._local_tensor, tensor._spec, dst_spec)

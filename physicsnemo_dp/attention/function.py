@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._torch_compat import Function
 from ..dispatch.rules._common import wrap
 from ._common import Options, grouped, local_grad, ungrouped_grads
 from ._placement import AttentionLayout
@@ -29,7 +30,7 @@ def _locals(*tensors):
     return [None if t is None else t._local_tensor for t in tensors]
 
 
-class SDPAFunction(torch.autograd.Function):
+class SDPAFunction(Function):
     """``(q, k, v, mask)`` ShardTensors in the canonical layout -> ``(output, lse)``; lse is not differentiable."""
 
     @staticmethod

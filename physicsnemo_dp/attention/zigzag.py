@@ -32,6 +32,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from .._torch_compat import Function
 from .. import _layout, collectives
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import normalize_dim, to_layout, wrap
@@ -129,7 +130,7 @@ def _move(local, dim, src_spans, dst_spans, mesh, mesh_dim):
     return torch.cat([t for _, t in placed] or [rows[:0]]).movedim(0, dim)
 
 
-class _Reorder(torch.autograd.Function):
+class _Reorder(Function):
     """Move tokens between two orders of the same sharded sequence; backward moves them back."""
 
     @staticmethod

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .. import promotion
 from ..errors import PlacementError, PromotionError
-from .._torch_compat import run_autograd_engine, torch_function_disabled
+from .._torch_compat import Function, run_autograd_engine, torch_function_disabled
 from .registry import function_handlers, named_function_handlers
 
 __all__ = ["handle_torch_function", "promote_args"]
@@ -65,7 +65,7 @@ def _needs_promotion(x, ShardTensor) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, ShardTensor) and (x.ndim > 0 or _is_dtensor(x))
 
 
-class Promote(torch.autograd.Function):
+class Promote(Function):
     """Plain tensor -> Replicate ShardTensor; gradient summed over the mesh."""
 
     @staticmethod

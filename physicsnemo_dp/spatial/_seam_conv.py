@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._torch_compat import Function
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
 from . import halo
@@ -109,7 +110,7 @@ def plan(geometry: Geometry, maps, batched: bool, dilation, groups, padding) -> 
     return SeamConv(geometry, p.dim + (0 if batched else 1), P, padding, tuple(dilation), groups, batched, seams)
 
 
-class SeamConvFunction(torch.autograd.Function):
+class SeamConvFunction(Function):
     """``(seam plan, x, weight, bias) -> (output ShardTensor, received rows)``; see the module doc."""
 
     @staticmethod

@@ -32,6 +32,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .._torch_compat import Function
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
@@ -193,7 +194,7 @@ def _local_grads(kernel: Kernel, window, params, grad, needs_window: bool):
     return kernel.vjp(window, params, grad, needs_window)
 
 
-class WindowFunction(torch.autograd.Function):
+class WindowFunction(Function):
     """``(kernel, x, *params) -> (output ShardTensor, window, *received rows)``; see the module doc.
 
     Backward needs the window, but keeping it would hold a second copy of the

@@ -43,7 +43,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from .. import _layout, collectives
-from .._torch_compat import graph_constant
+from .._torch_compat import Function, graph_constant
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import wrap
 from ..errors import PlacementError
@@ -239,7 +239,7 @@ def send_back(grad, rows, p: DimPlan, mesh, in_place: bool):
 # --------------------------------------------------------------------------- #
 # The public, differentiable primitive
 # --------------------------------------------------------------------------- #
-class _HaloExchange(torch.autograd.Function):
+class _HaloExchange(Function):
     """ShardTensor -> this rank's haloed local tensor; backward returns halo gradients to their owners."""
 
     @staticmethod

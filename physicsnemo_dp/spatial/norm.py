@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .._torch_compat import Function
 from .. import _layout, collectives
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import replicated_to_box, shard_tensor_cls, to_layout, wrap
@@ -78,7 +79,7 @@ def _local(t):
     return None if t is None else t._local_tensor if isinstance(t, shard_tensor_cls()) else t
 
 
-class _Normalize(torch.autograd.Function):
+class _Normalize(Function):
     """``(x, weight, bias, mean, var, stats) -> (y, x_hat, rstd, mean, var)``.
 
     ``mean``/``var`` given (shaped to broadcast) means fixed statistics.

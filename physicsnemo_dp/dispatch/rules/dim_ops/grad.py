@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...._redistribute import grad_layout
-from ...._torch_compat import torch_function_disabled
+from ...._torch_compat import Function, torch_function_disabled
 from .._common import normalize_dim, shard_tensor_cls, unshard_dims, wrap
 from . import scans, select
 from ._shared import local_as, move
@@ -43,7 +43,7 @@ class _DimOp:
         return self.func(t, **dict(self.kwargs))
 
 
-class _AlongDim(torch.autograd.Function):
+class _AlongDim(Function):
     @staticmethod
     def forward(x, op: _DimOp):
         return op.rule(op.func, (x,), dict(op.kwargs))

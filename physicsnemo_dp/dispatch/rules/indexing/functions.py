@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...._torch_compat import torch_function_disabled
+from ...._torch_compat import Function, torch_function_disabled
 from .._common import broadcast_shape, shard_tensor_cls
 from ._support import as_shard, mesh_of, replicated_local
 from .masks import is_mask, mask_position, mask_read, mask_read_backward, plan_mask
@@ -35,7 +35,7 @@ def _specs(x, indices):
 # --------------------------------------------------------------------------- #
 # autograd Functions (forward + setup_context style)
 # --------------------------------------------------------------------------- #
-class IndexRead(torch.autograd.Function):
+class IndexRead(Function):
     """``x[indices]`` with integer index tensors (``None`` for dims not indexed)."""
 
     @staticmethod
@@ -64,7 +64,7 @@ class IndexRead(torch.autograd.Function):
         return read_backward(plan, grad, idx, owned), None, None
 
 
-class Gather(torch.autograd.Function):
+class Gather(Function):
     @staticmethod
     def forward(x, dim, index):
         out, plan, idx, owned = gather(x, dim, index)
@@ -85,7 +85,7 @@ class Gather(torch.autograd.Function):
         return gather_backward(ctx.plan, grad, idx, owned[0] if owned else None), None, None
 
 
-class MaskRead(torch.autograd.Function):
+class MaskRead(Function):
     """``x[mask]`` with one boolean mask over dims ``p .. p + mask.ndim - 1``."""
 
     @staticmethod

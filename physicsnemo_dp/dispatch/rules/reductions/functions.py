@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ...._redistribute import grad_layout
-from ...._torch_compat import torch_function_disabled
+from ...._torch_compat import Function, torch_function_disabled
 from .._common import shard_tensor_cls, wrap
 from ._combine import all_reduce_sum, gather_combine, kept_grad
 from ._layout import Reduction, reduced_dims
@@ -64,7 +64,7 @@ def _resolved(x):
 _LINEAR_OPS = {"sum": aten.sum.dim_IntList, "mean": aten.mean.dim, "nansum": aten.nansum.default}
 
 
-class LinearReduction(torch.autograd.Function):
+class LinearReduction(Function):
     """``sum``/``mean``/``nansum`` whose gradient is a local expand in the input's layout."""
 
     @staticmethod
@@ -123,7 +123,7 @@ def _nanmean(func, types, args, kwargs):
 # --------------------------------------------------------------------------- #
 # max(dim) / min(dim)
 # --------------------------------------------------------------------------- #
-class BestAlongDim(torch.autograd.Function):
+class BestAlongDim(Function):
     """``max``/``min`` along one dim; the gradient goes to the winner's place in the input's layout."""
 
     @staticmethod
@@ -171,7 +171,7 @@ def _best_handler(largest: bool):
 # --------------------------------------------------------------------------- #
 # prod
 # --------------------------------------------------------------------------- #
-class Prod(torch.autograd.Function):
+class Prod(Function):
     """``prod`` whose gradient (the product of the other elements) is built in the input's layout."""
 
     @staticmethod

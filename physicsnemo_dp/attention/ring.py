@@ -21,9 +21,10 @@ are not needed for, so they overlap it.
 
 Per step a rank sends ``k_j + v_j`` (block ``j``'s bytes, plus the mask's
 columns when the mask is split like the keys) forward, and
-``k_j + v_j + dk_j + dv_j`` backward (each ``P - 1`` times per block) (accumulators in float32 for half
-types). Shard sizes may differ and be zero: every rank knows every block's
-shape from the layout, and empty blocks are neither sent nor computed.
+``k_j + v_j + dk_j + dv_j`` backward (accumulators in float32 for half
+types); every block makes ``P - 1`` hops each way, the minimum. Shard sizes
+may differ and be zero: every rank knows every block's shape from the
+layout, and empty blocks are neither sent nor computed.
 
 The loop of point-to-point transfers has no graph representation, so the
 ring's entry (:func:`.function.ring_attention`) is excluded from

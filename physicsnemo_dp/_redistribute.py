@@ -7,6 +7,7 @@ layouts recorded in the step, so nothing is exchanged but payload.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -152,8 +153,14 @@ def redistribute_local(local: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
             f"({tuple(src_spec.mesh.shape)} -> {tuple(dst_spec.mesh.shape)}); "
             "redistribute on the source mesh, then move data explicitly"
         )
-    steps = plan(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
+    steps = _steps(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
     return run_plan(local, steps, src_spec.mesh)
+
+
+@lru_cache(maxsize=1024)
+def _steps(src: Layout, dst: Layout, mesh_shape: tuple) -> tuple:
+    """:func:`plan`, memoised: planning is pure on layouts, and training repeats the same few redistributions."""
+    return tuple(plan(src, dst, mesh_shape))
 
 
 def grad_of_contribution(local: torch.Tensor, spec) -> torch.Tensor:
@@ -178,7 +185,11 @@ def grad_layout(spec):
     """Layout a gradient takes for a tensor of layout ``spec``.
 
     Placements stay, except Partial becomes Replicate: the gradient of a pending
-    sum is the same for every contribution, so it is fully reduced data.
+    sum is the same for every contribution, so it is fully reduced data. Without
+    a Partial that is ``spec`` itself (specs are immutable; building one costs
+    more than a small op on the backward path).
     """
+    if not spec.has_partial:
+        return spec
     placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
     return spec.with_layout(placements, spec.dim_sizes)

@@ -13,7 +13,7 @@ symbolic ints, which breaks tracing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import torch
@@ -33,6 +33,46 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(stride))
+
+
+class _Identity:
+    """Cache key for a device mesh: matches that very object, and keeps it alive while cached.
+
+    Meshes compare equal by ranks and dim names, so a mesh rebuilt over a new
+    process group equals the old one; a cached spec must hold the mesh it was
+    built with. Holding it also means its ``id`` cannot be reused meanwhile.
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Identity) and self.obj is other.obj
+
+
+@lru_cache(maxsize=4096)
+def _built_spec(cls, mesh: _Identity, placements, global_shape, dtype, dim_sizes):
+    """The spec :meth:`ShardTensorSpec.from_sizes` returns (normalized arguments), memoised.
+
+    A training step builds the same few specs on every call, and building one
+    (validating the tables, DTensorSpec's own bookkeeping) costs as much as a
+    small op. Specs are never mutated, so tensors can share one.
+    """
+    mesh = mesh.obj
+    _layout.validate_dim_sizes(global_shape, tuple(mesh.shape), placements, dim_sizes)
+    for d, table in enumerate(dim_sizes):
+        if table is not None and sum(table) != global_shape[d]:
+            raise PlacementError(
+                f"shard sizes {table} along dim {d} add up to {sum(table)}, "
+                f"but the global size of that dim is {global_shape[d]}"
+            )
+    meta = TensorMeta(torch.Size(global_shape), _contiguous_stride(global_shape), dtype)
+    return cls(mesh, placements, tensor_meta=meta, _dim_sizes=dim_sizes)
 
 
 @dataclass(eq=False)
@@ -56,19 +96,11 @@ class ShardTensorSpec(DTensorSpec):
         dtype: torch.dtype,
         dim_sizes: _layout.DimSizes,
     ) -> "ShardTensorSpec":
-        """Spec with explicit size tables (validated)."""
+        """Spec with explicit size tables (validated; memoised, see :func:`_built_spec`)."""
         global_shape = tuple(int(s) for s in global_shape)
         placements = _layout.normalize_placements(placements, mesh.ndim, len(global_shape))
         dim_sizes = tuple(None if t is None else tuple(int(s) for s in t) for t in dim_sizes)
-        _layout.validate_dim_sizes(global_shape, tuple(mesh.shape), placements, dim_sizes)
-        for d, table in enumerate(dim_sizes):
-            if table is not None and sum(table) != global_shape[d]:
-                raise PlacementError(
-                    f"shard sizes {table} along dim {d} add up to {sum(table)}, "
-                    f"but the global size of that dim is {global_shape[d]}"
-                )
-        meta = TensorMeta(torch.Size(global_shape), _contiguous_stride(global_shape), dtype)
-        return cls(mesh, placements, tensor_meta=meta, _dim_sizes=dim_sizes)
+        return _built_spec(cls, _Identity(mesh), placements, global_shape, dtype, dim_sizes)
 
     @classmethod
     def chunked(

@@ -123,16 +123,18 @@ def grad_like(result, spec):
 
     Sharded dims take the input's shard sizes. Where the input is replicated
     (not pending) a pending sum may stay pending: it is reduced by whoever needs
-    the value, e.g. once by the promotion step of a plain weight.
+    the value, e.g. once by the promotion step of a plain weight. A result
+    already in that layout is returned as is, without building a spec.
     """
     from ..._redistribute import grad_layout
 
     target = grad_layout(spec)
+    src = result._spec
     placements = tuple(
         rp if isinstance(p, Replicate) and isinstance(rp, Partial) and rp.reduce_op in ("sum", "avg") else tp
-        for p, tp, rp in zip(spec.placements, target.placements, result._spec.placements)
+        for p, tp, rp in zip(spec.placements, target.placements, src.placements)
     )
-    dst = target.with_layout(placements, target.dim_sizes)
-    if dst == result._spec:
+    if placements == src.placements and target.dim_sizes == src.dim_sizes:
         return result
-    return wrap(redistribute_local(result._local_tensor, result._spec, dst), dst)
+    dst = target.with_layout(placements, target.dim_sizes)
+    return wrap(redistribute_local(result._local_tensor, src, dst), dst)

@@ -21,7 +21,7 @@ Two levels:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -47,8 +47,9 @@ _MM, _BMM, _MV, _DOT = _Product("mm", (2, 2)), _Product("bmm", (3, 3)), _Product
 _ADDMM, _BADDBMM, _ADDMV = _Product("addmm", (2, 2), True), _Product("baddbmm", (3, 3), True), _Product("addmv", (2, 1), True)
 
 
+@lru_cache(maxsize=1024)
 def matmul_equation(name: str, a_shape, b_shape, *, batch_broadcasts: bool = True) -> Equation:
-    """Labels of ``a @ b`` with torch.matmul's rules (1-D operands, broadcast batch dims)."""
+    """Labels of ``a @ b`` with torch.matmul's rules (1-D operands, broadcast batch dims); memoised on int tuples."""
     a_nd, b_nd = len(a_shape), len(b_shape)
     if a_nd == 0 or b_nd == 0:
         raise RuntimeError(f"{name}: both arguments need to be at least 1D, but they are {a_nd}D and {b_nd}D")
@@ -61,8 +62,9 @@ def matmul_equation(name: str, a_shape, b_shape, *, batch_broadcasts: bool = Tru
     return Equation((a, b), out)
 
 
+@lru_cache(maxsize=1024)
 def linear_equation(x_shape, w_shape) -> Equation:
-    """Labels of ``F.linear(x, w)``: ``x @ w.T`` over any leading dims of ``x``."""
+    """Labels of ``F.linear(x, w)``: ``x @ w.T`` over any leading dims of ``x`` (memoised on int tuples)."""
     if len(x_shape) == 0 or len(w_shape) not in (1, 2):
         raise RuntimeError(
             f"linear: input must be at least 1-D and weight 1-D or 2-D, got {len(x_shape)}-D and {len(w_shape)}-D"
@@ -93,10 +95,17 @@ def _check_bias(name, bias_shape, out_shape):
         raise RuntimeError(f"{name}: the added tensor of shape {tuple(bias_shape)} does not broadcast to {tuple(out_shape)}")
 
 
-def _product_equation(op: _Product, a, b) -> Equation:
-    if op.ndims is not None and (a.ndim, b.ndim) != op.ndims:
-        raise RuntimeError(f"{op.name}: expected {op.ndims[0]}-D and {op.ndims[1]}-D tensors, got {a.ndim}-D and {b.ndim}-D")
-    return matmul_equation(op.name, tuple(a.shape), tuple(b.shape), batch_broadcasts=op.ndims is None)
+def _product_equation(op: _Product, a_shape, b_shape) -> Equation:
+    if op.ndims is not None and (len(a_shape), len(b_shape)) != op.ndims:
+        raise RuntimeError(
+            f"{op.name}: expected {op.ndims[0]}-D and {op.ndims[1]}-D tensors, got {len(a_shape)}-D and {len(b_shape)}-D"
+        )
+    return matmul_equation(op.name, a_shape, b_shape, batch_broadcasts=op.ndims is None)
+
+
+def _shape(t):
+    """Global shape of a ShardTensor (or None) from its spec: ``t.shape`` would be a ``__torch_function__`` call."""
+    return None if t is None else t._spec.global_shape
 
 
 def _replicated(t, mesh):
@@ -121,9 +130,9 @@ def _run_product(op: _Product, args, kwargs, differentiable: bool):
     bias, a, b, beta, alpha = _parse_product(op, args, kwargs)
     mesh = next(x for x in (a, b) if isinstance(x, shard_tensor_cls())).device_mesh
     a, b, bias = (_replicated(t, mesh) for t in (a, b, bias))
-    eq = _product_equation(op, a, b)
+    eq = _product_equation(op, _shape(a), _shape(b))
     if bias is not None:
-        _check_bias(op.name, tuple(bias.shape), output_shape(eq, (a.shape, b.shape)))
+        _check_bias(op.name, _shape(bias), output_shape(eq, (_shape(a), _shape(b))))
     if differentiable:
         return Contraction.apply(eq, alpha, beta, bias, a, b)
     return contract(eq, (a, b), bias=bias, alpha=alpha, beta=beta)
@@ -151,9 +160,9 @@ def _linear_handler(func, types, args, kwargs):
     x, w, bias = bound["input"], bound["weight"], bound.get("bias")
     mesh = next(t for t in (x, w, bias) if isinstance(t, shard_tensor_cls())).device_mesh
     x, w, bias = (_replicated(t, mesh) for t in (x, w, bias))
-    eq = linear_equation(tuple(x.shape), tuple(w.shape))
+    eq = linear_equation(_shape(x), _shape(w))
     if bias is not None:
-        _check_bias("linear", tuple(bias.shape), output_shape(eq, (x.shape, w.shape)))
+        _check_bias("linear", _shape(bias), output_shape(eq, (_shape(x), _shape(w))))
     return Contraction.apply(eq, 1, 1, bias, x, w)
 
 
@@ -165,7 +174,7 @@ def _einsum_handler(func, types, args, kwargs):
         operands = tuple(operands[0])
     mesh = next(t for t in operands if isinstance(t, shard_tensor_cls())).device_mesh
     operands = tuple(_replicated(t, mesh) for t in operands)
-    eq = parse_einsum(args[0], [t.ndim for t in operands])
+    eq = parse_einsum(args[0], tuple(len(_shape(t)) for t in operands))
     return Contraction.apply(eq, 1, 1, None, *operands)
 
 

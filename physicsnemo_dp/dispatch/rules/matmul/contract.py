@@ -1,10 +1,16 @@
 """Running a planned contraction on local tensors, and its autograd Function.
 
 :func:`contract` brings each operand to the layout the plan gives it, runs
-``torch.einsum`` on the local pieces and wraps the result. It computes
+the contraction on the local pieces (with the plain op's kernel, see
+:mod:`.local`) and wraps the result. It computes
 ``alpha * einsum(...) + beta * bias`` so that ``addmm``-style ops and
 ``linear`` with a bias are one step: the bias is laid out like the result (a
 pending-sum result gets the bias on one rank of the group only).
+
+Everything but the local kernels and the redistributions is metadata, read
+from the specs (never through ShardTensor attributes such as ``.shape``, each
+of which is a ``__torch_function__`` call) and memoised where it is pure: the
+plan (:func:`.labels.plan_contraction`) and the local program.
 
 :class:`Contraction` makes that differentiable above autograd. Its backward is
 made of contractions too (the gradient of an einsum operand is an einsum of
@@ -18,16 +24,16 @@ function layer then gets it all-reduced once, by the promotion step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ...._redistribute import grad_layout, redistribute_local
+from ...._torch_compat import Function
 from .._common import grad_like, shard_tensor_cls, wrap
-from .labels import NO_FREE, is_broadcast, label_extents, plan_contraction, summed_labels
-
-#: torch.einsum's sublist format accepts labels 0..51.
-_MAX_LABELS = 52
+from .labels import NO_FREE, label_extents, plan_contraction
+from .local import local_program
 
 
 @dataclass(frozen=True)
@@ -41,24 +47,24 @@ class Equation:
 def contract(eq: Equation, operands, *, bias=None, alpha=1, beta=1, out_shape=None, prefer=None):
     """``alpha * einsum(eq)(operands) + beta * bias`` on ShardTensors (not differentiable)."""
     specs = [x._spec for x in operands]
-    if out_shape is None:
-        out_shape = output_shape(eq, [s.global_shape for s in specs])
+    shapes = tuple(s.global_shape for s in specs)
+    out_shape = output_shape(eq, shapes) if out_shape is None else tuple(out_shape)
     plan = plan_contraction(specs, eq.operands, eq.out, out_shape, prefer=prefer)
     locals_ = [_local_in(x, layout) for x, layout in zip(operands, plan.operands)]
-    result = _local_einsum(eq, [x.shape for x in operands], locals_, out_shape, plan)
     placements, dim_sizes = plan.out
-    out_spec = type(specs[0]).from_sizes(specs[0].mesh, placements, out_shape, result.dtype, dim_sizes)
-    result = _expand_missing(result, eq, out_shape, plan, out_spec)
-    if alpha != 1:
-        result = result * alpha
+    # The kernels' dtype (they take operands of one dtype); wrap() re-types the spec if alpha or the bias promote it.
+    out_spec = type(specs[0]).from_sizes(specs[0].mesh, placements, out_shape, locals_[0].dtype, dim_sizes)
+    bias_local = None
     if bias is not None and beta != 0:
-        result = result + beta * _bias_local(bias, out_spec)
-    return wrap(result, out_spec)
+        bias_local = _bias_local(bias, placements, dim_sizes, len(out_shape))
+    program = local_program(eq, shapes, out_shape, None if bias_local is None else bias_local.ndim)
+    return wrap(program.run(locals_, out_spec, bias_local, alpha, beta), out_spec)
 
 
+@lru_cache(maxsize=1024)
 def output_shape(eq: Equation, shapes) -> tuple[int, ...]:
-    """Global shape of the result (operands' sizes, broadcast)."""
-    ext = label_extents([tuple(s) for s in shapes], eq.operands)
+    """Global shape of the result (operands' sizes, broadcast); ``shapes`` a tuple of int tuples."""
+    ext = label_extents(shapes, eq.operands)
     return tuple(ext[lab] for lab in eq.out)
 
 
@@ -69,48 +75,16 @@ def _local_in(x, layout):
     return redistribute_local(x._local_tensor, x._spec, x._spec.with_layout(placements, dim_sizes))
 
 
-def _local_einsum(eq, shapes, locals_, out_shape, plan):
-    """einsum on local pieces: broadcast dims are squeezed, summed output dims left out."""
-    ext = plan.extents
-    ids: dict = {}
-
-    def sub(labs):
-        return [ids.setdefault(lab, len(ids)) for lab in labs]
-
-    args, present = [], set()
-    for shape, local, labs in zip(shapes, locals_, eq.operands):
-        keep = [d for d, (n, lab) in enumerate(zip(shape, labs)) if not is_broadcast(n, lab, ext)]
-        squeeze = [d for d in range(len(labs)) if d not in keep]
-        args += [local.squeeze(squeeze) if squeeze else local, sub([labs[d] for d in keep])]
-        present.update(labs[d] for d in keep)
-    summed = summed_labels(eq.operands, eq.out, out_shape, ext)
-    out_sub = [lab for lab in eq.out if lab in present and lab not in summed]
-    if len(ids) > _MAX_LABELS:
-        raise RuntimeError(f"contraction: at most {_MAX_LABELS} distinct dims are supported, got {len(ids)}")
-    return torch.einsum(*args, sub(out_sub))
-
-
-def _expand_missing(result, eq, out_shape, plan, out_spec):
-    """Insert output dims einsum could not produce: kept (extent 1) sums and labels no operand has."""
-    present = {lab for labs in eq.operands for lab in labs}
-    summed = summed_labels(eq.operands, eq.out, out_shape, plan.extents)
-    missing = [d for d, lab in enumerate(eq.out) if lab in summed or lab not in present]
-    for d in missing:
-        result = result.unsqueeze(d)
-    if any(eq.out[d] not in present for d in missing):
-        result = result.expand(tuple(out_spec.local_shape)).contiguous()
-    return result
-
-
-def _bias_local(bias, out_spec):
+def _bias_local(bias, out_placements, out_dim_sizes, out_ndim):
     """The bias's local piece laid out like the output (right-aligned broadcasting)."""
-    offset = len(out_spec.global_shape) - bias.ndim
-    placements, dim_sizes = [], [None] * bias.ndim
-    for p in out_spec.placements:
+    bias_shape = bias._spec.global_shape
+    offset = out_ndim - len(bias_shape)
+    placements, dim_sizes = [], [None] * len(bias_shape)
+    for p in out_placements:
         d = p.dim - offset if isinstance(p, Shard) else -1
-        if isinstance(p, Shard) and d >= 0 and bias.shape[d] != 1:
+        if isinstance(p, Shard) and d >= 0 and bias_shape[d] != 1:
             placements.append(Shard(d))
-            dim_sizes[d] = out_spec.dim_sizes[p.dim]
+            dim_sizes[d] = out_dim_sizes[p.dim]
         elif isinstance(p, Partial):
             placements.append(p)  # added on one rank of the group: the sum stays exact
         else:
@@ -141,7 +115,7 @@ def _grad_of(target_labels, target_spec, tensors, labels, scale):
     return grad_like(g, target_spec)
 
 
-class Contraction(torch.autograd.Function):
+class Contraction(Function):
     """Differentiable :func:`contract` over ShardTensors (``forward`` + ``setup_context`` style)."""
 
     @staticmethod

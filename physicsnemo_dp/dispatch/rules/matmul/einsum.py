@@ -9,11 +9,14 @@ ellipsis dims followed by the labels that occur once, in alphabetical order
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 
 from .contract import Equation
 
 
-def parse_einsum(equation: str, ndims) -> Equation:
+@lru_cache(maxsize=1024)
+def parse_einsum(equation: str, ndims: tuple) -> Equation:
+    """The :class:`.contract.Equation` of ``equation`` on operands of ``ndims`` dims (memoised: parsing is pure)."""
     eq = equation.replace(" ", "")
     lhs, arrow, rhs = eq.partition("->")
     terms = lhs.split(",")

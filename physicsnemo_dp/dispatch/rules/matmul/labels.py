@@ -19,13 +19,16 @@ mesh dim:
 
 A dim of extent 1 whose label is larger elsewhere *broadcasts* (as torch.einsum
 and matmul do); it is never sharded. Pure metadata: every rank computes the
-same plan without communicating.
+same plan without communicating, and the same operands' metadata always give
+the same plan, so plans are memoised (a training step repeats the same few).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
+from typing import NamedTuple
 
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
@@ -41,7 +44,24 @@ class Plan:
 
     operands: tuple  # ((placements, dim_sizes), ...)
     out: tuple  # (placements, dim_sizes)
-    extents: dict  # label -> global extent
+
+
+class _Operand(NamedTuple):
+    """What a plan reads of an operand's spec, as a memo key.
+
+    A plan depends on the mesh's shape, not on the mesh: keying on this rather
+    than on the spec shares plans between meshes of one shape and keeps no mesh
+    (and its process groups) alive in the cache.
+    """
+
+    mesh_shape: tuple
+    placements: tuple
+    global_shape: tuple
+    dim_sizes: tuple
+
+    @classmethod
+    def of(cls, spec) -> "_Operand":
+        return cls(spec.mesh_shape, spec.placements, spec.global_shape, spec.dim_sizes)
 
 
 def label_extents(shapes, labels, out_labels=(), out_shape=()):
@@ -81,6 +101,13 @@ def plan_contraction(specs, labels, out_labels, out_shape, *, prefer=None) -> Pl
     pending-sum) output on that mesh dim. The caller redistributes the result
     if the plan could not honour ``NO_FREE`` cheaply.
     """
+    operands = tuple(_Operand.of(s) for s in specs)
+    return _plan(operands, tuple(labels), tuple(out_labels), tuple(out_shape), prefer)
+
+
+@lru_cache(maxsize=1024)
+def _plan(specs, labels, out_labels, out_shape, prefer) -> Plan:
+    """:func:`plan_contraction` with ``specs`` as :class:`_Operand` keys (memoised; the plan is shared, never mutated)."""
     mesh_shape = specs[0].mesh_shape
     shapes = [s.global_shape for s in specs]
     ext = label_extents(shapes, labels, out_labels, out_shape)
@@ -120,7 +147,7 @@ def plan_contraction(specs, labels, out_labels, out_shape, *, prefer=None) -> Pl
         tables[lab] = forced[lab] if lab in forced else _table_for(lab, mesh_dims, specs, labels, ext, rank_key)
 
     operands = tuple(_operand_layout(k, specs, labels, choice, tables, ext) for k in range(len(specs)))
-    return Plan(operands, _output_layout(out_labels, specs, choice, tables, summed), ext)
+    return Plan(operands, _output_layout(out_labels, specs, choice, tables, summed))
 
 
 def _label_on(spec, labs, m):

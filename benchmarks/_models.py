@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec
 from physicsnemo_dp.collectives import mesh_device
@@ -121,7 +121,8 @@ def mlp_pair(mesh, tokens: int, dim: int) -> dict[str, tuple[nn.Module, torch.Te
     """The MLP on the same even token shards as ShardTensor and as DTensor: ``{kind: (model, input)}``.
 
     DTensor gets its parameters replicated (``distribute_module``), ShardTensor
-    plain parameters (promoted on use); both sum weight gradients over the mesh.
+    plain parameters (promoted on use); after :func:`train_step` both hold
+    weight gradients summed over the mesh.
     """
     from torch.distributed.tensor import DTensor, distribute_module
 
@@ -134,7 +135,17 @@ def mlp_pair(mesh, tokens: int, dim: int) -> dict[str, tuple[nn.Module, torch.Te
 
 
 def train_step(net: nn.Module, x: torch.Tensor) -> None:
-    """Forward and backward with a unit upstream gradient (no loss reduction, so no extra collective)."""
+    """Forward and backward with a unit upstream gradient (no loss reduction, so no extra collective).
+
+    The step ends with gradients an optimizer can use: DTensor leaves a
+    replicated parameter's gradient as a pending sum (``Partial``), so it is
+    reduced here, as ShardTensor's promotion does during the backward.
+    """
+    from torch.distributed.tensor import DTensor
+
     net.zero_grad(set_to_none=True)
     y = net(x)
     y.backward(torch.ones_like(y))
+    for p in net.parameters():
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)

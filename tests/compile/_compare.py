@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from physicsnemo_dp import ShardTensor
+from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
 from ..ops._diff import _assert_close, _tensors
@@ -34,10 +35,14 @@ BACKENDS = ("aot_eager", "inductor")
 FULL = os.environ.get("PDP_COMPILE_MATRIX") == "full"
 
 
+def meshes_for(backend: str):
+    """The ``@distributed`` decorator of a test compiling with ``backend``: where it may run at all."""
+    world_sizes = (1, 3) if backend == "aot_eager" else (3,)
+    return distributed(world_sizes=world_sizes, mesh_2d=True, timeout=1200)
+
+
 def skip_unless_in_scope(ctx, backend: str) -> None:
     """Skip this (mesh, backend) cell unless the current scope (default or full) includes it."""
-    if backend == "inductor" and ctx.world_size == 1:
-        pytest.skip("inductor runs on 3 ranks and the 2x2 mesh only")
     if not FULL and (ctx.world_size == 1 or (backend == "inductor" and ctx.mesh.ndim == 2)):
         pytest.skip(f"{backend} on this mesh runs with PDP_COMPILE_MATRIX=full only")
 

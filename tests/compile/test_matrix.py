@@ -8,10 +8,8 @@ Outputs, layouts, input, parameter gradients and buffers must match the eager ru
 
 import pytest
 
-from tests._harness import distributed
-
 from ._cases import FAMILIES
-from ._compare import compare, skip_unless_in_scope
+from ._compare import compare, meshes_for, skip_unless_in_scope
 
 
 def _check(ctx, family, backend):
@@ -21,12 +19,12 @@ def _check(ctx, family, backend):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=900)
+@meshes_for("aot_eager")
 def test_aot_eager(ctx, family):
     _check(ctx, family, "aot_eager")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=1200)
+@meshes_for("inductor")
 def test_inductor(ctx, family):
     _check(ctx, family, "inductor")

@@ -17,14 +17,22 @@ from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
 from ._cases import _g, _sharded
-from ._compare import BACKENDS, compare, skip_unless_in_scope
+from ._compare import BACKENDS, compare, meshes_for, skip_unless_in_scope
 
 SHAPE = (7, 5, 3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=900)
-def test_conversions_inside_compiled_code(ctx, backend):
+@meshes_for("aot_eager")
+def test_conversions_inside_compiled_code_aot_eager(ctx):
+    _conversions(ctx, "aot_eager")
+
+
+@meshes_for("inductor")
+def test_conversions_inside_compiled_code_inductor(ctx):
+    _conversions(ctx, "inductor")
+
+
+def _conversions(ctx, backend):
     """redistribute / full_tensor / to_local are opaque calls in the graph; from_local is one call too."""
     skip_unless_in_scope(ctx, backend)
     m = ctx.mesh

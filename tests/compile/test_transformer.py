@@ -26,7 +26,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ._cases import _g, _sharded
-from ._compare import assert_same, make_inputs, run, skip_unless_in_scope
+from ._compare import assert_same, make_inputs, meshes_for, run, skip_unless_in_scope
 from ._models import Block, RegionalBlock
 
 
@@ -56,9 +56,17 @@ def _check_against_eager(compiled, eager, mesh, label):
     assert _ring_calls(compiled, mesh) == {k: v for k, v in eager_calls.items() if k == "send_recv"}, eager_calls
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=1200)
-def test_whole_block_breaks_the_graph_once_at_the_ring(ctx, backend):
+@meshes_for("aot_eager")
+def test_whole_block_breaks_the_graph_once_at_the_ring_aot_eager(ctx):
+    _whole_block(ctx, "aot_eager")
+
+
+@meshes_for("inductor")
+def test_whole_block_breaks_the_graph_once_at_the_ring_inductor(ctx):
+    _whole_block(ctx, "inductor")
+
+
+def _whole_block(ctx, backend):
     skip_unless_in_scope(ctx, backend)
     torch.manual_seed(0)
     eager = Block()
@@ -83,9 +91,17 @@ def test_fullgraph_refuses_ring_attention(ctx):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@distributed(world_sizes=(1, 3), mesh_2d=True, timeout=1200)
-def test_regional_compile(ctx, backend):
+@meshes_for("aot_eager")
+def test_regional_compile_aot_eager(ctx):
+    _regional(ctx, "aot_eager")
+
+
+@meshes_for("inductor")
+def test_regional_compile_inductor(ctx):
+    _regional(ctx, "inductor")
+
+
+def _regional(ctx, backend):
     skip_unless_in_scope(ctx, backend)
     torch.manual_seed(0)
     eager = Block()

@@ -35,6 +35,7 @@ __all__ = [
     "on_real_tensors",
     "graph_constant",
     "graph_break",
+    "dynamo_frame_hook_active",
     "aot_cache_bypass",
     "pad_builtin",
     "fused_cpu_attention",
@@ -264,6 +265,15 @@ def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 #: The builtin behind ``F.pad``. Dynamo inlines the Python ``F.pad`` and records
 #: this call instead, so a ``F.pad`` handler must be registered for it too.
 pad_builtin = torch._C._nn.pad
+
+
+def dynamo_frame_hook_active() -> bool:
+    """Whether Dynamo may compile the Python frames about to run (it has a frame hook installed).
+
+    True inside a ``torch.compile``d call, also where it runs code eagerly at
+    a graph break; False in plain eager code.
+    """
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None
 
 
 def graph_break(reason: str) -> Exception:

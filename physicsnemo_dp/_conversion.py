@@ -17,7 +17,6 @@ They use the ``forward`` + ``setup_context`` style that ``torch.compile`` needs.
 
 from __future__ import annotations
 
-import torch
 
 from ._torch_compat import Function
 from ._redistribute import grad_layout, grad_of_contribution, redistribute_local

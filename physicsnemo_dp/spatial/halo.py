@@ -121,12 +121,11 @@ def exchange(local: torch.Tensor, plans: Sequence[DimPlan], mesh):
     The received rows alone, thin slabs, are what a caller keeps to rebuild
     the window later (:func:`extend`, :func:`assemble`) instead of the window.
     """
-    received = []
-    for p in _exchanging(plans):
-        if received:
-            local = torch.cat([local, received[-1]], prev)
+    exchanging, received = _exchanging(plans), []
+    for k, p in enumerate(exchanging):
+        if k:
+            local = torch.cat([local, received[-1]], exchanging[k - 1].dim)
         received.append(_exchange(local, p, mesh))
-        prev = p.dim
     return local, tuple(received)
 
 

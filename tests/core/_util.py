@@ -8,7 +8,7 @@ computation on the global tensor.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec
 from physicsnemo_dp import _layout

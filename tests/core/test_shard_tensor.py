@@ -224,7 +224,6 @@ def test_spec_equality_and_hash_include_sizes(ctx):
 def test_device_mismatch_is_refused(ctx):
     if ctx.device.type != "cpu":
         pytest.skip("needs a non-CPU mesh")
-    from torch.distributed.device_mesh import DeviceMesh
 
     meta = torch.zeros(2, device="meta")
     _raises(PlacementError, lambda: ShardTensor.from_local(meta, ctx.mesh, [Shard(0)]), "device")

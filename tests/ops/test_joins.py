@@ -199,7 +199,7 @@ def test_one_dimensional_select_and_unbind(ctx):
 @distributed(world_sizes=(2, 3, 4), mesh_2d=False)
 def test_cat_along_the_sharded_dim_moves_each_element_at_most_once(ctx):
     """Operands that do not tile go to the split rule's layout with one all-to-all each, no gather."""
-    mesh, n = ctx.mesh, ctx.world_size
+    mesh = ctx.mesh
     a = shard_from_global(_g(), make_spec(mesh, [Shard(0)], SHAPE, salt=1))
     b = shard_from_global(_g((4, 5, 3), 1), make_spec(mesh, [Shard(0)], (4, 5, 3), salt=2))
     with count_collectives() as counter:

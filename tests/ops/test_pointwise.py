@@ -1,6 +1,5 @@
 """Elementwise ops and broadcasting on uneven shards, with plain tensors and scalars."""
 
-import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 

@@ -1,6 +1,5 @@
 """Checkpoints: bit-identical resume, resharding across layouts, crash safety."""
 
-import json
 import os
 import shutil
 from pathlib import Path

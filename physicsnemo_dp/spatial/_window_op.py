@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .._torch_compat import Function
@@ -252,27 +251,6 @@ def apply(kernel: Kernel, x, *params):
 # --------------------------------------------------------------------------- #
 # Argument helpers shared by the op modules
 # --------------------------------------------------------------------------- #
-def meta_output(func, args, kwargs):
-    """``func`` run on meta tensors of the global shapes.
-
-    Gives the global output and, for bad arguments, torch's own error, raised
-    identically on every rank (it depends only on global metadata) before any
-    communication starts.
-    """
-
-    ShardTensor = shard_tensor_cls()
-
-    def to_meta(a):
-        if isinstance(a, ShardTensor):
-            return torch.empty(a._spec.global_shape, dtype=a._local_tensor.dtype, device="meta")
-        if isinstance(a, torch.Tensor):
-            return torch.empty(tuple(a.shape), dtype=a.dtype, device="meta")
-        return a
-
-    margs, mkwargs = pytree.tree_map(to_meta, (tuple(args), dict(kwargs)))
-    return func(*margs, **mkwargs)
-
-
 def ntuple(value, n: int, name: str) -> tuple[int, ...]:
     """``value`` as an ``n``-tuple of ints (an int repeats)."""
     if isinstance(value, int):

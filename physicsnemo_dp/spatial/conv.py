@@ -40,8 +40,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..dispatch.rules._common import meta_output
 from . import _geometry, _seam_conv
-from ._window_op import Kernel, apply, build, meta_output, ntuple, prepare_input, replicated, whole_extent
+from ._window_op import Kernel, apply, build, ntuple, prepare_input, replicated, whole_extent
 
 aten = torch.ops.aten
 

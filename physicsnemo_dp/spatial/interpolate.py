@@ -28,9 +28,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..dispatch.rules._common import meta_output
 from .._torch_compat import graph_constant, on_real_tensors
 from . import _geometry
-from ._window_op import Kernel, WindowFunction, build, meta_output, prepare_input
+from ._window_op import Kernel, WindowFunction, build, prepare_input
 from .pool import adaptive_pool
 
 _KERNELS = {

@@ -44,9 +44,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .._torch_compat import Function
 from .. import _layout, collectives
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import replicated_to_box, shard_tensor_cls, to_layout, wrap
+from ..dispatch.rules._common import meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
-from ._window_op import meta_output, prepare_input, replicated
+from ._window_op import prepare_input, replicated
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from ..dispatch.rules._common import meta_output
 from .._torch_compat import pad_builtin
 
 from . import _geometry
-from ._window_op import Kernel, apply, build, meta_output, prepare_input
+from ._window_op import Kernel, apply, build, prepare_input
 
 
 def _pad_args(input, pad, mode="constant", value=None):

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from .._torch_compat import graph_constant, on_real_tensors
-from ..dispatch.rules._common import wrap
+from ..dispatch.rules._common import meta_output, wrap
 from . import _geometry
-from ._window_op import Kernel, WindowFunction, build, meta_output, ntuple, prepare_input
+from ._window_op import Kernel, WindowFunction, build, ntuple, prepare_input
 
 
 def _max_args(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):

@@ -30,26 +30,16 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils import _pytree as pytree
 
-from .._common import resolve_partial, shard_tensor_cls, wrap
+from .._common import meta_output, resolve_partial, wrap
 from ._combine import NO_INDEX, all_reduce_sum, gather_combine, identity, pick
 from ._layout import Reduction, bind, reduced_dims
 
 aten = torch.ops.aten
 
 
-def _meta(func, args, kwargs):
-    """``func`` on meta stand-ins of the global tensors: validates arguments, gives output metadata."""
-    ShardTensor = shard_tensor_cls()
-
-    def meta(a):
-        return torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, ShardTensor) else a
-
-    return func(*pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs))
-
-
 def _prepare(func, args, kwargs, *, linear: bool = False, empty_means_all: bool = True):
     """``(local, reduction, bound args, meta output)`` with pending reductions the op cannot keep done."""
-    meta = _meta(func, args, kwargs)
+    meta = meta_output(func, args, kwargs)
     b = bind(func, args, kwargs)
     x = b["self"]
     keep = ("sum", "avg") if linear else ()

@@ -12,7 +12,10 @@ What a rank does per batch, and why no communication is needed:
    transforms there (:mod:`datapipes.prefetch`), ``prefetch`` batches ahead.
 4. The buffer is wrapped without a copy, moved to the device, and each
    variable becomes ``ShardTensor.from_local(..., sharding_shapes=...)`` with
-   the shapes from step 2: no collective is issued.
+   the shapes from step 2: no collective is issued. The layout of a batch
+   (buffer arrays, pieces, ShardTensor specs) is the same for every batch of
+   a decomposition, so it is built once and later batches reuse the spec
+   (see ``DomainPipe._layout``).
 
 Output layout: each batch is a :class:`Batch`, a dict from variable name to a
 ShardTensor of shape ``(batch, *sample shape)`` on the *domain* mesh (the
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from physicsnemo_dp import ShardTensor
+from physicsnemo_dp import ShardTensor, ShardTensorSpec
 
 from ._axes import MeshAxes
 from ._buffers import BufferPool, layout_arrays
@@ -118,6 +121,7 @@ class DomainPipe:
         self._pool = BufferPool(shared=self.workers == "process", max_idle=self.prefetch + 2)
         self._reader: list = [None]  # started by the first iteration; a list so the finalizer sees it
         self._closer = weakref.finalize(self, _close, self._pool, self._reader)
+        self._layouts: dict[tuple, _Layout] = {}  # see _layout
         self.decompose(0)  # a bad split fails here, not in the first batch
 
     # ----------------------------------------------------------- layout
@@ -171,13 +175,13 @@ class DomainPipe:
                 while submitted < len(batches) and len(inflight) < max(1, self.prefetch):
                     inflight.append(self._submit(reader, batches[submitted]))
                     submitted += 1
-                task, buffer, pieces = inflight.popleft()
+                task, buffer, layout = inflight.popleft()
                 try:
                     self.bytes_read += reader.result()
                 except BaseException:
                     self._pool.release(buffer)
                     raise
-                batch = self._wrap(task, buffer, pieces)
+                batch = self._wrap(task, buffer, layout)
                 self._position = k + 1
                 yield batch
                 del batch  # the frame must not keep the consumer's last batch (and its buffer) alive
@@ -205,39 +209,53 @@ class DomainPipe:
 
     def _submit(self, reader, samples: tuple[int, ...]):
         decs = [self.decompose(i) for i in samples]
+        layout = self._layout(decs)
+        buffer = self._pool.acquire(layout.nbytes)
+        self._seq += 1
+        task = ReadTask(self._seq, buffer.name, layout.arrays, tuple(samples), layout.boxes(decs),
+                        self._pool.take_freed_names())
+        reader.submit(task, buffer.memory)
+        return task, buffer, layout
+
+    def _layout(self, decs: list[dict[str, DomainDecomposition]]) -> "_Layout":
+        """The batch's buffer layout and per-variable pieces, cached while the decomposition stays the same.
+
+        Why cache: the layout depends only on this rank's pieces and the batch
+        size, and rebuilding it (array specs, pieces, ShardTensor specs) cost
+        as much per batch as reading a few hundred KiB. The key is the identity of
+        the decomposition objects (a grid source returns the same ones for
+        every sample; the cached layout holds them, so their ids stay valid);
+        sources that build new decompositions per sample (meshes) miss and get
+        a fresh layout, as before.
+        """
         first = decs[0]
+        key = (len(decs), *((name, id(d)) for name, d in first.items()))
+        layout = self._layouts.get(key)
+        if layout is not None and all(d is first[name] for dec in decs[1:] for name, d in dec.items()):
+            return layout
         for dec in decs[1:]:
             for name, d in dec.items():
                 if d is not first[name] and (d.global_shape, d.sizes) != (first[name].global_shape, first[name].sizes):
                     raise DataPipeError(
-                        f"batch_size={len(samples)} needs samples whose variables split alike: "
+                        f"batch_size={len(decs)} needs samples whose variables split alike: "
                         f"{d.label} splits as {d.sizes}, but {first[name].label} as {first[name].sizes}; "
                         "use batch_size=1 for samples of different shapes"
                     )
-        coord = self.axes.domain_coord
-        pieces = {name: _piece(d, coord) for name, d in first.items()}
-        specs, nbytes = layout_arrays(
-            {name: ((len(samples), *p.shape), self.source.dtype(name)) for name, p in pieces.items()}
-        )
-        buffer = self._pool.acquire(nbytes)
-        self._seq += 1
-        boxes = tuple({name: _piece(d, coord).box for name, d in dec.items()} for dec in decs)
-        task = ReadTask(self._seq, buffer.name, specs, tuple(samples), boxes, self._pool.take_freed_names())
-        reader.submit(task, buffer.memory)
-        return task, buffer, pieces
+        layout = _Layout(first, len(decs), self.axes.domain_coord, self.source)
+        if len(self._layouts) >= 64:  # decompositions that change per sample: keep the cache bounded
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout
 
-    def _wrap(self, task: ReadTask, buffer, pieces: dict[str, "_Piece"]) -> Batch:
+    def _wrap(self, task: ReadTask, buffer, layout: "_Layout") -> Batch:
         arrays = self._pool.hand_out(buffer, task.arrays)
         batch = Batch(task.samples)
-        rows = len(task.samples)
-        for name, piece in pieces.items():
+        mesh = self.axes.domain_mesh
+        for name, piece in layout.pieces.items():
             padded = torch.from_numpy(arrays[name])
             if padded.device != self.device:
                 padded = padded.to(self.device, non_blocking=True)
-            batch[name] = ShardTensor.from_local(
-                padded[piece.interior], self.axes.domain_mesh, piece.placements,
-                sharding_shapes=piece.sharding_shapes(rows),
-            )
+            batch[name] = layout.shard(name, padded[piece.interior], mesh)
             batch.padded[name] = padded
             batch.halo[name] = piece.halo
         return batch
@@ -273,6 +291,44 @@ class _Piece:
 
 
 _piece = lru_cache(maxsize=4096)(_Piece)
+
+
+class _Layout:
+    """What every batch of ``rows`` samples with the same decompositions shares: pieces, buffer layout, specs."""
+
+    def __init__(self, decs: dict[str, DomainDecomposition], rows: int, coord: tuple[int, ...], source: Source):
+        self.decs = decs  # kept alive: the pipe's cache key holds their ids
+        self.rows = rows
+        self.pieces = {name: _piece(d, coord) for name, d in decs.items()}
+        self.arrays, self.nbytes = layout_arrays(
+            {name: ((rows, *p.shape), source.dtype(name)) for name, p in self.pieces.items()}
+        )
+        self._coord = coord
+        self._boxes = {name: p.box for name, p in self.pieces.items()}
+        self._specs: dict[str, ShardTensorSpec] = {}
+
+    def boxes(self, decs: list[dict[str, DomainDecomposition]]) -> tuple[dict, ...]:
+        """Per sample, variable -> read box (one shared dict when the samples share the decompositions)."""
+        if all(d is self.decs[name] for dec in decs for name, d in dec.items()):
+            return (self._boxes,) * len(decs)
+        return tuple({name: _piece(d, self._coord).box for name, d in dec.items()} for dec in decs)
+
+    def shard(self, name: str, local: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
+        """``local`` as the variable's ShardTensor.
+
+        The first batch goes through ``ShardTensor.from_local`` (which checks
+        the shapes against the mesh and raises its errors); its spec is then
+        reused, since every later batch of this layout has the same local
+        shape, dtype, device and mesh. Building a ShardTensor from a known
+        spec costs a few us instead of from_local's ~25 us of validation.
+        """
+        spec = self._specs.get(name)
+        if spec is not None and spec.mesh is mesh and local.dtype == spec.tensor_meta.dtype:
+            return ShardTensor(local, spec, requires_grad=False)
+        piece = self.pieces[name]
+        out = ShardTensor.from_local(local, mesh, piece.placements, sharding_shapes=piece.sharding_shapes(self.rows))
+        self._specs[name] = out._spec
+        return out
 
 
 def _close(pool: BufferPool, reader: list) -> None:

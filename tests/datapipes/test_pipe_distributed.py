@@ -99,6 +99,31 @@ def test_explicit_sizes_reach_the_shard_tensor(ctx, tmp_path):
         assert np.array_equal(st.full_tensor().numpy(), expected)
 
 
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_reused_layouts_give_the_specs_from_local_gives(ctx, tmp_path):
+    """Batches after the first reuse the layout and ShardTensor spec; a smaller last batch gets its own."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    with DomainPipe(open_grid("hdf5", path), ctx.mesh, batch_size=4, halo=1, prefetch=0) as pipe:
+        dec = pipe.decompose(0)["pressure"]
+        for epoch in range(2):
+            pipe.set_epoch(epoch)
+            rows = [len(batch.samples) for batch in pipe if _same_spec_as_from_local(batch, ctx, dec)]
+            assert rows == [4, 2]
+
+
+def _same_spec_as_from_local(batch, ctx, dec) -> bool:
+    for name in VARIABLES:
+        st = batch[name]
+        ref = ShardTensor.from_local(st.to_local(), ctx.mesh, dec.placements(1),
+                                     sharding_shapes=dec.sharding_shapes(ctx.rank, leading=(len(batch.samples),)))
+        got = st._spec
+        assert (got.global_shape, got.placements, got.dim_sizes, got.tensor_meta) == (
+            ref._spec.global_shape, ref._spec.placements, ref._spec.dim_sizes, ref._spec.tensor_meta)
+        assert st.to_local().data_ptr() == batch.padded[name][(slice(None), *dec.interior(ctx.rank))].data_ptr()
+        assert not st.requires_grad and st.grad_fn is None
+    return True
+
+
 @pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed(world_sizes=(2,), mesh_2d=False)
 def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(ctx, workers, tmp_path):

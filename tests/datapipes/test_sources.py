@@ -30,6 +30,25 @@ def test_every_format_reads_exactly_the_box(fmt, tmp_path):
     source.close()
 
 
+@pytest.mark.parametrize("fmt", ["hdf5", "hdf5-groups"])
+def test_hdf5_boxes_the_fast_path_does_not_cover_behave_like_read_direct(fmt, tmp_path):
+    fields = grid_fields()
+    source = open_grid(fmt, write_grid(fmt, tmp_path))
+    stepped = (slice(0, 16, 2), slice(5, 16))
+    out = np.empty((8, 11), np.float32)
+    source.read(4, "pressure", stepped, out)
+    assert np.array_equal(out, fields["pressure"][4][stepped])
+    source.read(2, "pressure", BOX, np.empty((6, 11), np.float32))  # caches the box's dataspaces
+    with h5py.File(next(iter(source.paths)), "r") as f:  # a buffer of another shape: read_direct's error
+        dset = f["pressure"] if fmt == "hdf5" else f[sorted(f)[2]]["pressure"]
+        with pytest.raises(TypeError) as expected:
+            dset.read_direct(np.empty((5, 11), np.float32), source_sel=(2, *BOX) if fmt == "hdf5" else BOX)
+    with pytest.raises(TypeError) as got:
+        source.read(2, "pressure", BOX, np.empty((5, 11), np.float32))
+    assert str(got.value) == str(expected.value)
+    source.close()
+
+
 def test_stacked_files_are_concatenated_and_dtype_converts_on_read(tmp_path):
     fields = grid_fields()
     write_hdf5(tmp_path / "a.h5", {k: v[:4] for k, v in fields.items()})

@@ -18,6 +18,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
     "Function",
+    "non_differentiable",
     "DTensorSpec",
     "TensorMeta",
     "funcol",
@@ -65,6 +66,19 @@ class Function(torch.autograd.Function):
             return super().apply(*args, **kwargs)
         args = torch._functorch.utils.unwrap_dead_wrappers(args)
         return super(torch.autograd.Function, cls).apply(*args)
+
+
+def non_differentiable(ctx, *outputs) -> None:
+    """Mark ``outputs`` of a Function as carrying no gradient, and keep autograd from zero-filling theirs.
+
+    By default autograd hands ``backward`` a zero tensor for every output
+    without a gradient, non-differentiable ones included: an output-sized
+    allocation per call (a whole window, a normalized input). Every backward
+    of the library reads only the differentiable output's gradient, which is
+    defined whenever backward runs.
+    """
+    ctx.mark_non_differentiable(*outputs)
+    ctx.set_materialize_grads(False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,20 +6,15 @@ for the branch that runs them; both fail the build here.
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from ._tools import executable
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ruff() -> str:
-    beside = Path(sys.executable).with_name("ruff")
-    found = str(beside) if beside.exists() else shutil.which("ruff")
-    if found is None:
-        pytest.fail("ruff is not installed: pip install ruff (it is in the 'test' extra)")
-    return found
+    return executable("ruff", "ruff")
 
 
 def test_repository_is_pyflakes_clean():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_compat import Function
+from .._torch_compat import Function, non_differentiable
 from ..dispatch.rules._common import wrap
 from ._common import Options, grouped, local_grad, ungrouped_grads
 from ._placement import AttentionLayout
@@ -43,8 +43,7 @@ class SDPAFunction(Function):
     def setup_context(ctx, inputs, output):
         q, k, v, mask, ctx.layout, ctx.options = inputs
         ctx.save_for_backward(q, k, v, mask, output[0], output[1])
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)
+        non_differentiable(ctx, output[1])
 
     @staticmethod
     def backward(ctx, grad, _grad_lse):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._torch_compat import Function
+from .._torch_compat import Function, non_differentiable
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
 from . import halo
@@ -128,8 +128,7 @@ class SeamConvFunction(Function):
     def setup_context(ctx, inputs, output):
         s, x, weight, bias = inputs
         ctx.s = s
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)  # no zero-filled gradient for the halo rows
+        non_differentiable(ctx, output[1])
         ctx.save_for_backward(x, output[1], weight)
         ctx.bias_meta = None if bias is None else (tuple(bias.shape), bias.dtype)
 

@@ -31,7 +31,7 @@ from typing import Collection, Mapping, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .._torch_compat import Function
+from .._torch_compat import Function, non_differentiable
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
@@ -218,8 +218,7 @@ class WindowFunction(Function):
         ctx.kernel = kernel
         ctx.params = tuple(None if p is None else p._local_tensor for p in params)
         ctx.param_meta = tuple(None if p is None else (tuple(p.shape), p.dtype) for p in params)
-        ctx.mark_non_differentiable(window, *received)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the window and the halo rows
+        non_differentiable(ctx, window, *received)
         ctx.save_for_backward(x, *received)
 
     @staticmethod

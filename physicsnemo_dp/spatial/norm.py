@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .._torch_compat import Function
+from .._torch_compat import Function, non_differentiable
 from .. import _layout, collectives
 from .._redistribute import grad_layout
 from ..dispatch.rules._common import meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
@@ -106,8 +106,7 @@ class _Normalize(Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, mean, _, stats = inputs
         _, x_hat, rstd, *_ = output
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+        non_differentiable(ctx, *output[1:])
         ctx.save_for_backward(x_hat, rstd)
         ctx.stats, ctx.fixed = stats, mean is not None
         ctx.weight = None if weight is None else _param_box(weight, stats)

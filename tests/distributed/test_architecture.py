@@ -19,18 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from .._tools import executable
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_SCRIPT = ROOT / "tools" / "lint_parallelizer_contract.py"
 
 
 def _lint_imports_executable() -> str:
-    beside = Path(sys.executable).with_name("lint-imports")
-    found = str(beside) if beside.exists() else shutil.which("lint-imports")
-    if found is None:
-        pytest.fail("lint-imports is not installed: pip install import-linter (it is in the 'test' extra)")
-    return found
+    return executable("lint-imports", "import-linter")
 
 
 def _run(command, cwd) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...._redistribute import grad_layout
-from ...._torch_compat import Function, torch_function_disabled
+from ...._torch_compat import Function, non_differentiable, torch_function_disabled
 from .._common import normalize_dim, shard_tensor_cls, unshard_dims, wrap
 from . import scans, select
 from ._shared import local_as, move
@@ -53,8 +53,7 @@ class _AlongDim(Function):
         x, op = inputs
         ctx.op = op
         if isinstance(output, tuple):  # (values, indices): the indices say where gradients go
-            ctx.mark_non_differentiable(*output[1:])
-            ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+            non_differentiable(ctx, *output[1:])
             ctx.save_for_backward(x, output[1])
             ctx.values_spec = output[0]._spec
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...._torch_compat import Function, torch_function_disabled
+from ...._torch_compat import Function, non_differentiable, torch_function_disabled
 from .._common import broadcast_shape, shard_tensor_cls
 from ._support import as_shard, mesh_of, replicated_local
 from .masks import is_mask, mask_position, mask_read, mask_read_backward, plan_mask
@@ -49,8 +49,7 @@ class IndexRead(Function):
         x, indices, allow_negative = inputs
         ctx.plan = plan_read(x._spec, _specs(x, indices), allow_negative)
         extras = output[1:]
-        ctx.mark_non_differentiable(*extras)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+        non_differentiable(ctx, *extras)
         ctx.save_for_backward(*extras)
 
     @staticmethod
@@ -75,8 +74,7 @@ class Gather(Function):
         x, dim, index = inputs
         mesh = x._spec.mesh
         ctx.plan = plan_gather(x._spec, dim % max(x.ndim, 1), as_shard(index, mesh)._spec)
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+        non_differentiable(ctx, *output[1:])
         ctx.save_for_backward(*output[1:])
 
     @staticmethod
@@ -99,8 +97,7 @@ class MaskRead(Function):
         ctx.plan = plan_mask(x._spec, as_shard(mask, x._spec.mesh)._spec, p)
         ctx.input_spec = x._spec
         ctx.out_spec = output[0]._spec
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+        non_differentiable(ctx, output[1])
         ctx.save_for_backward(output[1])
 
     @staticmethod

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ...._redistribute import grad_layout
-from ...._torch_compat import Function, torch_function_disabled
+from ...._torch_compat import Function, non_differentiable, torch_function_disabled
 from .._common import shard_tensor_cls, wrap
 from ._combine import all_reduce_sum, gather_combine, kept_grad
 from ._layout import Reduction, reduced_dims
@@ -134,8 +134,7 @@ class BestAlongDim(Function):
     def setup_context(ctx, inputs, output):
         x, _, dim, keepdim = inputs
         ctx.red = Reduction(x._spec, reduced_dims(dim, x.ndim), keepdim)
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+        non_differentiable(ctx, output[1])
         ctx.save_for_backward(output[1])
 
     @staticmethod

@@ -6,15 +6,25 @@ device mesh, runs ``fn(mesh, *args, **kwargs)`` on every rank and returns rank
 0's result (or every rank's). Ranks' printed output is streamed back with a
 ``[rank r]`` prefix, so it shows up in the notebook cell.
 
-A failing rank never leaves the caller hanging: its traceback is raised as
-:class:`RankError` once the other ranks finish or a short grace period
-passes (they may be blocked in a collective the failed rank never reached),
-after which every rank process is terminated. A global ``timeout`` bounds the
-whole run.
+What the launcher guarantees:
+
+* A failing rank never leaves the caller hanging. ``launch`` returns or raises
+  as soon as every rank is accounted for (returned, raised or exited); only
+  while some ranks are still running after a failure does it wait, for a short
+  grace period (they may be blocked in a collective the failed rank never
+  reached). A global ``timeout`` bounds the whole run.
+* :class:`RankError` names the rank whose failure came first and caused the
+  others: a rank that died (exit code or signal, no exception) or raised an
+  error of its own, not a rank whose collective merely broke because a peer
+  died. Ranks of that second kind are listed as waiting, with their errors.
+* No process outlives the call: on return, on an exception, on Ctrl-C, and
+  when the calling process itself is killed (even by SIGKILL), every rank and
+  every process a rank started is stopped; the fork server and resource
+  tracker that multiprocessing started then exit on their own.
 
 Functions are shipped with ``cloudpickle`` so that functions defined in a
 notebook cell work; ranks start from a fork server that has already imported
-torch, so only the first launch pays for the import.
+torch, so only the first launch pays for the import. POSIX only (forkserver).
 """
 
 from __future__ import annotations
@@ -22,21 +32,35 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from multiprocessing.connection import wait
+from typing import Any, Callable, NamedTuple, Sequence
 
 __all__ = ["launch", "RankError"]
 
-_GRACE_SECONDS = 10.0
+_GRACE_SECONDS = 10.0  # how long ranks still running may take after another rank failed
+_STOP_WAIT = 5.0  # seconds ranks get to end by themselves before the launcher kills them
+# Lower-case fragments of the messages of a collective (or the store) that broke because a peer died or gave
+# up (gloo, NCCL, TCPStore): a rank raising one of these was waiting for another rank, not the cause.
+_PEER_FAILURES = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "connection was likely closed",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "communicator was aborted",
+)
 
 
 class RankError(RuntimeError):
-    """A rank raised (or died); the message holds its traceback."""
+    """A rank raised (or died); the message holds its traceback and what the other ranks did."""
 
     def __init__(self, rank: int, detail: str, others: str = "") -> None:
         self.rank = rank
@@ -50,22 +74,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Stream(io.TextIOBase):
-    """File-like object that forwards whole lines to the parent with a rank prefix."""
+class _Channel:
+    """A rank's end of its pipe to the launcher; the lock keeps messages sent from several threads whole."""
 
-    def __init__(self, queue, rank: int, kind: str) -> None:
-        self._queue, self._rank, self._kind, self._buf = queue, rank, kind, ""
+    def __init__(self, conn) -> None:
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+class _Stream(io.TextIOBase):
+    """File-like object that forwards whole lines to the launcher, which adds the rank prefix."""
+
+    def __init__(self, channel: _Channel, kind: str) -> None:
+        self._channel, self._kind, self._buf = channel, kind, ""
 
     def write(self, text: str) -> int:
         self._buf += text
         *lines, self._buf = self._buf.split("\n")
         for line in lines:
-            self._queue.put(("out", self._rank, self._kind, line))
+            self._channel.send(("out", self._kind, line))
         return len(text)
 
     def flush(self) -> None:
         if self._buf:
-            self._queue.put(("out", self._rank, self._kind, self._buf))
+            self._channel.send(("out", self._kind, self._buf))
             self._buf = ""
 
 
@@ -85,13 +120,52 @@ def _to_cpu(value):
     return tree_map(move, value)
 
 
-def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, queue, timeout_s):
+def _die_with_launcher(lifeline) -> None:
+    """Make this rank, and every process it starts, end when the launching process ends or lets go.
+
+    Why not ``PR_SET_PDEATHSIG``: a rank is a child of multiprocessing's fork
+    server, not of the caller, and every rank holds the fork server's "alive"
+    pipe open, so the fork server outlives a killed caller exactly as long as
+    the ranks do; a parent-death signal would never fire. Instead ``lifeline``
+    is the read end of a pipe whose write end only the caller holds: it reads
+    EOF when the caller exits in any way (even SIGKILL) or closes it when
+    ``launch`` ends. A daemon thread waits for that and kills this rank's
+    process group, which holds the rank and whatever it started, wherever the
+    main thread is stuck (collectives and sleeps release the GIL). Nothing
+    here is Linux-specific. With the ranks gone, the fork server and the
+    resource tracker read EOF on their own pipes and exit.
+
+    The rank leads its own process group, so Ctrl-C at a terminal reaches only
+    the caller, which then stops the ranks in order.
+    """
+    os.setpgrp()
+
+    def watch() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launch-lifeline", daemon=True).start()
+
+
+def _waiting_on_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that broke because another rank died or gave up."""
+    message = str(exc).lower()
+    return isinstance(exc, (RuntimeError, TimeoutError)) and any(p in message for p in _PEER_FAILURES)
+
+
+def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn, lifeline, timeout_s):
+    _die_with_launcher(lifeline)
     import cloudpickle
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    out, err = _Stream(queue, rank, "stdout"), _Stream(queue, rank, "stderr")
+    channel = _Channel(conn)
+    channel.send(("started",))
+    out, err = _Stream(channel, "stdout"), _Stream(channel, "stderr")
     sys.stdout, sys.stderr = out, err
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
@@ -108,18 +182,17 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, queu
             timeout=timedelta(seconds=timeout_s),
         )
         mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_names))
-        result = _to_cpu(fn(mesh, *args, **kwargs))
-        queue.put(("result", rank, cloudpickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - everything must reach the parent
-        queue.put(("error", rank, traceback.format_exc()))
-    finally:
-        out.flush()
-        err.flush()
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the process is ending anyway
-            pass
+        outcome = ("result", cloudpickle.dumps(_to_cpu(fn(mesh, *args, **kwargs))))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        outcome = ("error", traceback.format_exc(), _waiting_on_a_peer(exc))
+    out.flush()  # output first: the launcher may stop this rank as soon as it has the outcome
+    err.flush()
+    channel.send(outcome)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the process is ending anyway
+        pass
 
 
 def _default_backend(nprocs: int) -> str:
@@ -155,7 +228,9 @@ def launch(
         echo: print ranks' output (prefixed with ``[rank r]``) as it arrives.
 
     Raises:
-        RankError: a rank raised or died; the message carries its traceback.
+        RankError: a rank raised or died; ``.rank`` is the rank that failed
+            first, the message carries its traceback (or exit status) and the
+            errors of the ranks that were waiting for it.
         TimeoutError: the run did not finish within ``timeout``.
     """
     import cloudpickle
@@ -175,78 +250,164 @@ def launch(
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "physicsnemo_dp"])
-    queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, nprocs, port, backend, mesh_shape, mesh_dim_names, payload, queue, timeout),
-            daemon=False,  # ranks may start their own workers (e.g. a datapipe reader); we kill them in finally
-        )
-        for r in range(nprocs)
-    ]
-    for p in procs:
-        p.start()
+    lifeline_r, lifeline_w = ctx.Pipe(duplex=False)  # only this process holds the write end
+    procs, conns = [], []
     try:
-        return _collect(procs, queue, timeout, return_all, echo)
+        for r in range(nprocs):
+            conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(r, nprocs, port, backend, mesh_shape, mesh_dim_names, payload, child_conn, lifeline_r, timeout),
+                daemon=False,  # ranks may start their own workers (e.g. a datapipe reader); _stop ends them
+            )
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns.append(conn)
+        lifeline_r.close()
+        return _collect(procs, conns, timeout, return_all, echo)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+        lifeline_r.close()
+        _stop(procs, lifeline_w)
+        for conn in conns:
+            conn.close()
 
 
-def _collect(procs, queue, timeout, return_all, echo):
+def _stop(procs, lifeline) -> None:
+    """End every rank and the processes it started.
+
+    Closing the lifeline makes each rank kill its own process group (see
+    :func:`_die_with_launcher`); a rank still there after ``_STOP_WAIT`` (its
+    watcher thread could not run, or it had not started it yet) is killed from
+    here, with its group.
+    """
+    lifeline.close()
+    deadline = time.monotonic() + _STOP_WAIT
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            for kill in (os.killpg, os.kill):  # os.kill: the rank has not made its group yet
+                try:
+                    kill(p.pid, signal.SIGKILL)
+                    break
+                except ProcessLookupError:
+                    continue
+            p.join()
+
+
+class _Failure(NamedTuple):
+    seen: float  # time.monotonic() when the launcher saw the error or the exit
+    detail: str  # the traceback, or how the process ended
+    waiting: bool  # a collective broken by a peer's failure, not a cause
+
+
+def _collect(procs, conns, timeout, return_all, echo):
+    """Gather every rank's outcome; return the results or raise for the failure that came first.
+
+    Waits on each rank's pipe and on its process at once, so an exit is seen
+    as promptly as an error report, and stops as soon as every rank has
+    returned, raised or exited; after the first failure, ranks still running
+    get ``_GRACE_SECONDS`` more.
+    """
     import cloudpickle
 
     nprocs = len(procs)
     results: dict[int, Any] = {}
-    failure: tuple[int, str] | None = None
-    failure_deadline = float("inf")
+    failures: dict[int, _Failure] = {}
+    started: set[int] = set()
+    open_conns = set(conns)
+    owner = {}
+    for r, (conn, p) in enumerate(zip(conns, procs)):
+        owner[conn] = owner[p.sentinel] = r
     deadline = time.monotonic() + timeout
-    lock = threading.Lock()
-    while len(results) < nprocs:
+    grace_end = float("inf")
+
+    def unaccounted() -> list[int]:
+        return [r for r in range(nprocs) if r not in results and r not in failures]
+
+    def receive(r: int) -> None:
+        """Handle whatever rank ``r`` has sent so far."""
+        conn = conns[r]
+        while conn in open_conns and conn.poll():
+            try:
+                kind, *rest = conn.recv()
+            except (EOFError, OSError):
+                open_conns.discard(conn)
+                return
+            if kind == "started":
+                started.add(r)
+            elif kind == "out":
+                if echo:
+                    print(f"[rank {r}] {rest[1]}", file=sys.stdout if rest[0] == "stdout" else sys.stderr, flush=True)
+            elif kind == "result":
+                results[r] = cloudpickle.loads(rest[0])
+            else:
+                failures[r] = _Failure(time.monotonic(), rest[0], rest[1])
+
+    while unaccounted():
         now = time.monotonic()
-        if now > failure_deadline:
+        if now >= min(deadline, grace_end):
             break
-        if now > deadline:
-            missing = [r for r in range(nprocs) if r not in results]
-            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s; all ranks were stopped")
-        try:
-            kind, rank, *rest = queue.get(timeout=0.2)
-        except Exception:  # queue.Empty
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in results]
-            if dead and failure is None and queue.empty():
-                r = dead[0]
-                failure = (
-                    r,
-                    f"process exited with code {procs[r].exitcode} without reporting a result. If it "
-                    "died before running your function and you launch from a script, guard the call "
-                    "with `if __name__ == '__main__':` (new processes re-import the main module).",
-                )
-                failure_deadline = time.monotonic() + _GRACE_SECONDS
-            continue
-        if kind == "out":
-            if echo:
-                stream = sys.stdout if rest[0] == "stdout" else sys.stderr
-                with lock:
-                    print(f"[rank {rank}] {rest[1]}", file=stream, flush=True)
-        elif kind == "result":
-            results[rank] = cloudpickle.loads(rest[0])
-        elif kind == "error" and failure is None:
-            failure = (rank, rest[0])
-            failure_deadline = time.monotonic() + _GRACE_SECONDS
-    if failure is not None:
-        pending = [r for r in range(nprocs) if r not in results and r != failure[0]]
-        others = (
-            f"\n(ranks {pending} had not finished {_GRACE_SECONDS:.0f} s later — probably waiting "
-            "in a collective the failed rank never reached — and were stopped)"
-            if pending
-            else ""
-        )
-        raise RankError(failure[0], failure[1], others)
+        pending = unaccounted()
+        handles = [conns[r] for r in pending if conns[r] in open_conns] + [procs[r].sentinel for r in pending]
+        for handle in wait(handles, min(deadline, grace_end) - now):
+            r = owner[handle]
+            receive(r)  # for an exit too: whatever the rank sent before it died is in its pipe
+            if handle == procs[r].sentinel and r not in results and r not in failures:
+                failures[r] = _Failure(time.monotonic(), _describe_exit(r, procs[r].exitcode, r in started), False)
+        if failures:
+            grace_end = min(grace_end, min(f.seen for f in failures.values()) + _GRACE_SECONDS)
+    if failures:
+        raise _rank_error(failures, unaccounted(), timed_out=time.monotonic() >= deadline, timeout=timeout)
+    if unaccounted():
+        raise TimeoutError(f"ranks {unaccounted()} did not finish within {timeout:.0f} s; all ranks were stopped")
     return [results[r] for r in range(nprocs)] if return_all else results[0]
 
+
+def _describe_exit(rank: int, code: int, started: bool) -> str:
+    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if not started:
+        return (
+            f"rank {rank} {how} before running your function. If you launch from a script, guard the call "
+            "with `if __name__ == '__main__':` (new processes re-import the main module)."
+        )
+    return f"rank {rank} {how} without raising or returning a result"
+
+
+def _rank_error(failures: dict[int, _Failure], unfinished: list[int], timed_out: bool, timeout: float) -> RankError:
+    """The error for the earliest root failure, listing the ranks that were waiting for it and the rest.
+
+    A root failure is an exit or an error of a rank's own; an error saying a
+    collective broke because a peer died is a consequence, whenever it happens
+    to reach the launcher (it can arrive before the dead peer's exit is seen).
+    Only if every failure is of that kind (say, all ranks timed out) does the
+    earliest of them count as the root.
+    """
+    roots = [r for r, f in failures.items() if not f.waiting] or list(failures)
+    first = min(roots, key=lambda r: failures[r].seen)
+    waiting = sorted(r for r, f in failures.items() if r != first and f.waiting)
+    others = sorted(r for r, f in failures.items() if r != first and not f.waiting)
+    text = ""
+    if waiting:
+        verb, errors = ("was", "its error follows") if len(waiting) == 1 else ("were", "their errors follow")
+        text += f"\n\n{_names(waiting)} {verb} waiting in a collective; {errors}:{_details(failures, waiting)}"
+    if others:
+        text += f"\n\n{_names(others)} also failed:{_details(failures, others)}"
+    if unfinished:
+        when = f"within the {timeout:.0f} s timeout" if timed_out else f"{_GRACE_SECONDS:.0f} s after rank {first} failed"
+        text += (
+            f"\n\n({_names(unfinished)} had not finished {when} — probably waiting in a collective "
+            f"rank {first} never reached — and were stopped)"
+        )
+    return RankError(first, failures[first].detail, text)
+
+
+def _details(failures: dict[int, _Failure], ranks: list[int]) -> str:
+    return "".join(f"\n----- rank {r} -----\n{failures[r].detail.rstrip()}" for r in ranks)
+
+
+def _names(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 2``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -1,12 +1,22 @@
 """The launcher and the demo, run as a user would (they start their own ranks)."""
 
+import importlib
+import os
+import signal
 import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from physicsnemo_dp import RankError, launch
+
+launch_module = importlib.import_module("physicsnemo_dp.launch")  # the package's `launch` attribute is the function
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _coordinates(mesh):
@@ -20,6 +30,25 @@ def _raise_on_rank_one(mesh):
     if dist.get_rank() == 1:
         raise KeyError("deliberate failure on rank 1")
     dist.all_reduce(torch.ones(1))  # the others wait here for rank 1, which never comes
+
+
+def _die_on_rank_one(mesh, how):
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if how == "exit":
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # the others are waiting here when rank 1 dies
+
+
+def _raise_on_rank_one_while_others_return(mesh):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("deliberate failure on rank 1")
+    return dist.get_rank()
 
 
 def _print_and_return(mesh, value):
@@ -51,6 +80,90 @@ def test_failing_rank_surfaces_with_its_traceback_in_bounded_time():
     assert "deliberate failure on rank 1" in str(info.value)
     assert "_raise_on_rank_one" in str(info.value)  # the rank's own traceback
     assert elapsed < 45, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.parametrize("how, status", [("exit", "exited with code 1 without raising"),
+                                         ("signal", "was killed by signal SIGKILL")])
+def test_the_rank_that_died_is_named_not_the_ranks_waiting_for_it(how, status):
+    # Issue 14 item 13: the waiting ranks' "Connection closed by peer" errors reach the launcher before (or
+    # about when) it sees rank 1 exit; the error must still name rank 1 and list the others as waiting.
+    with pytest.raises(RankError) as info:
+        launch(_die_on_rank_one, 3, args=(how,), timeout=60, echo=False)
+    message = str(info.value)
+    assert info.value.rank == 1, message
+    assert f"rank 1 {status}" in message
+    assert "ranks 0, 2 were waiting in a collective; their errors follow" in message
+    assert "----- rank 0 -----" in message and "----- rank 2 -----" in message
+
+
+def test_failure_is_raised_as_soon_as_every_rank_is_accounted_for(monkeypatch):
+    # Issue 14 item 15: ranks 0 and 2 have returned when rank 1 raises: nothing is left to wait for.
+    monkeypatch.setattr(launch_module, "_GRACE_SECONDS", 60.0)
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_raise_on_rank_one_while_others_return, 3, timeout=120, echo=False)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in str(info.value)
+    assert "were stopped" not in str(info.value)  # no rank was left unaccounted for
+    assert elapsed < 30, f"took {elapsed:.1f} s: launch waited for the grace period"
+
+
+_ORPHAN_SCRIPT = """
+import os, subprocess, sys, time
+from physicsnemo_dp import launch
+
+def body(mesh, pid_dir):
+    import torch.distributed as dist
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a rank's own worker
+    path = os.path.join(pid_dir, f"rank{dist.get_rank()}")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.replace(path + ".tmp", path)
+    time.sleep(300)
+
+if __name__ == "__main__":
+    launch(body, 2, args=(sys.argv[1],), timeout=600)
+"""
+
+
+def _still_running(processes):
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{process.pid} {process.name()} {' '.join(process.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_killing_the_caller_leaves_no_process_behind(tmp_path):
+    # Issue 14 item 14: SIGKILL the script while its ranks sleep; the fork server, the resource tracker,
+    # the ranks and what the ranks started must all be gone within seconds.
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(_ORPHAN_SCRIPT))
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
+            assert caller.poll() is None, "the calling script ended before its ranks started"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        tree = psutil.Process(caller.pid).children(recursive=True)
+        started = {int(pid) for r in range(2) for pid in (tmp_path / f"rank{r}").read_text().split()}
+        assert started <= {p.pid for p in tree}, "the ranks are not in the caller's process tree"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 15
+    while _still_running(tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _still_running(tree)
+    for pid in [int(line.split()[0]) for line in left]:  # do not leak them into the rest of the session
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "still running after the caller was killed:\n" + "\n".join(left)
 
 
 def test_launch_rejects_bad_mesh_shapes():

@@ -13,12 +13,14 @@ The pieces, one module each:
   communication; :class:`SampleOrder` is its sample order;
 * :func:`compute_statistics` / :class:`Normalize` — dataset statistics,
   computed distributed, and the transform that uses them;
+* :func:`check_all_ranks` — one rank's data error raised on every rank, before anyone blocks;
 * :func:`write_shards` — one file per rank stitched by an HDF5 virtual dataset;
 * :mod:`datapipes.synthetic` — Darcy, heat and point-cloud datasets for tests.
 
 See ``datapipes/README.md`` for concepts, chunking advice and measured figures.
 """
 
+from .agreement import check_all_ranks
 from .decomposition import DomainDecomposition, balanced_sizes
 from .errors import DataPipeError, DecompositionError, InvalidValuesError, MissingDataError
 from .hdf5 import HDF5Fields, aligned_chunks
@@ -49,6 +51,7 @@ __all__ = [
     "XarrayFields",
     "aligned_chunks",
     "balanced_sizes",
+    "check_all_ranks",
     "compute_statistics",
     "prepare_mesh",
     "write_shards",

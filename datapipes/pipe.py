@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec
@@ -204,8 +205,13 @@ class DomainPipe:
         if not self._closer.alive:
             raise RuntimeError("this DomainPipe is closed")
         if self._reader[0] is None:
-            self._reader[0] = make_reader(self.workers, self.source, self.transforms, self.validate)
+            self._reader[0] = make_reader(self.workers, self.source, self.transforms, self.validate, self._rank_label())
         return self._reader[0]
+
+    def _rank_label(self) -> str:
+        """This rank as validation errors name it: global rank, then its ddp and domain coordinates."""
+        rank = f"rank {dist.get_rank()}" if dist.is_initialized() else "rank 0"
+        return f"{rank} (ddp {self.axes.ddp_rank}, domain {','.join(map(str, self.axes.domain_coord))})"
 
     def _submit(self, reader, samples: tuple[int, ...]):
         decs = [self.decompose(i) for i in samples]

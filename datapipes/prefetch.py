@@ -56,15 +56,20 @@ class ReadTask:
     detach: tuple[str, ...] = ()  # shared buffers the parent freed; the reader process forgets them
 
 
-def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform], validate: bool) -> int:
-    """Read every sample of ``task`` into ``memory``, check and transform it; return bytes read."""
+def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform], validate: bool,
+         rank: str = "") -> int:
+    """Read every sample of ``task`` into ``memory``, check and transform it; return bytes read.
+
+    ``rank`` names the reading rank in validation errors (e.g. ``"rank 3 (ddp 1, domain 1)"``): the
+    error is shared with every rank (:func:`datapipes.check_all_ranks`), so it must say whose slab failed.
+    """
     arrays = view_arrays(memory, task.arrays)
     nbytes = 0
     for row, (index, boxes) in enumerate(zip(task.samples, task.boxes)):
         for name, array in arrays.items():
             nbytes += source.read(index, name, boxes[name], array[row])
             if validate:
-                _check_finite(array[row], source, index, name, boxes[name])
+                _check_finite(array[row], source, index, name, boxes[name], rank)
     if transforms:
         tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
         for transform in transforms:
@@ -72,7 +77,7 @@ def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform]
     return nbytes
 
 
-def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box: Box) -> None:
+def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box: Box, rank: str) -> None:
     if not np.issubdtype(values.dtype, np.inexact):
         return
     bad = ~np.isfinite(values)
@@ -80,6 +85,7 @@ def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box
         first = tuple(int(i) + s.start for i, s in zip(np.argwhere(bad)[0], box))
         raise InvalidValuesError(
             f"{source.where(index, name)}: {int(bad.sum())} NaN or infinite value(s) in the box "
+            f"{'read by ' + rank + ' ' if rank else ''}"
             f"{tuple((s.start, s.stop) for s in box)} of shape {values.shape}; the first at index {first}"
         )
 
@@ -90,8 +96,8 @@ def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box
 class _InlineReader:
     """Reads when the result is asked for: no background work (``prefetch=0``)."""
 
-    def __init__(self, source, transforms, validate):
-        self._args = (source, transforms, validate)
+    def __init__(self, source, transforms, validate, rank):
+        self._args = (source, transforms, validate, rank)
         self._pending: list = []
 
     def submit(self, task: ReadTask, memory) -> None:
@@ -99,8 +105,8 @@ class _InlineReader:
 
     def result(self) -> int:
         task, memory = self._pending.pop(0)
-        source, transforms, validate = self._args
-        return fill(source, task, memory, transforms, validate)
+        source, transforms, validate, rank = self._args
+        return fill(source, task, memory, transforms, validate, rank)
 
     def close(self) -> None:
         self._pending.clear()
@@ -109,19 +115,19 @@ class _InlineReader:
 class _ThreadReader:
     """One background thread per pipe."""
 
-    def __init__(self, source, transforms, validate):
+    def __init__(self, source, transforms, validate, rank):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
-            target=self._serve, args=(source, transforms, validate), name="datapipes-reader", daemon=True
+            target=self._serve, args=(source, transforms, validate, rank), name="datapipes-reader", daemon=True
         )
         self._thread.start()
 
-    def _serve(self, source, transforms, validate) -> None:
+    def _serve(self, source, transforms, validate, rank) -> None:
         while (item := self._tasks.get()) is not None:
             task, memory = item
             try:
-                self._results.put((fill(source, task, memory, transforms, validate), None))
+                self._results.put((fill(source, task, memory, transforms, validate, rank), None))
             except Exception as err:  # handed to the consumer, which raises it
                 self._results.put((0, err))
 
@@ -148,7 +154,7 @@ class _ProcessReader:
     (``PR_SET_PDEATHSIG`` on Linux, a parent check elsewhere).
     """
 
-    def __init__(self, source, transforms, validate):
+    def __init__(self, source, transforms, validate, rank):
         self._conn, child = multiprocessing.Pipe()
         parent = os.getpid()
         self._pid = os.fork()
@@ -157,7 +163,7 @@ class _ProcessReader:
             try:
                 self._conn.close()
                 _detach_from(parent)
-                _serve_process(child, source, transforms, validate, parent)
+                _serve_process(child, source, transforms, validate, rank, parent)
                 code = 0
             except BaseException:
                 traceback.print_exc()
@@ -206,7 +212,7 @@ def _detach_from(parent: int) -> None:
         os._exit(0)
 
 
-def _serve_process(conn, source, transforms, validate, parent_pid: int) -> None:
+def _serve_process(conn, source, transforms, validate, rank, parent_pid: int) -> None:
     """Reader process body: fill buffers until told to stop or the parent is gone."""
     torch.set_num_threads(1)  # the training process owns the cores
     attached: dict[str, shared_memory.SharedMemory] = {}
@@ -227,7 +233,7 @@ def _serve_process(conn, source, transforms, validate, parent_pid: int) -> None:
         if task.buffer not in attached:
             attached[task.buffer] = shared_memory.SharedMemory(name=task.buffer)
         try:
-            conn.send((fill(source, task, attached[task.buffer].buf, transforms, validate), None, ""))
+            conn.send((fill(source, task, attached[task.buffer].buf, transforms, validate, rank), None, ""))
         except Exception as err:
             conn.send((0, _portable(err), traceback.format_exc()))
 
@@ -244,6 +250,6 @@ def _portable(err: Exception) -> Exception:
 READERS = {"inline": _InlineReader, "thread": _ThreadReader, "process": _ProcessReader}
 
 
-def make_reader(kind: str, source: Source, transforms: Sequence[Transform], validate: bool):
-    """A reader of ``kind`` (``"inline"``, ``"thread"`` or ``"process"``)."""
-    return READERS[kind](source, tuple(transforms), validate)
+def make_reader(kind: str, source: Source, transforms: Sequence[Transform], validate: bool, rank: str = ""):
+    """A reader of ``kind`` (``"inline"``, ``"thread"`` or ``"process"``); ``rank`` as in :func:`fill`."""
+    return READERS[kind](source, tuple(transforms), validate, rank)

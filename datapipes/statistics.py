@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._files import atomic_path
+from .agreement import check_all_ranks
 from .pipe import DomainPipe
 from .source import Source
 
@@ -63,19 +64,26 @@ def compute_statistics(source: Source, mesh: DeviceMesh, *, variables: Sequence[
     ``pipe_options`` go to :class:`~datapipes.pipe.DomainPipe` (``split_dims``,
     ``prefetch``, ``workers``, ``ddp_dim``, ``batch_size`` ...); the order
     options are fixed so every sample is read once. Collective: every rank of
-    ``mesh`` must call it.
+    ``mesh`` must call it. With ``validate=True`` a NaN or infinity anywhere
+    raises :class:`~datapipes.errors.InvalidValuesError` on every rank (naming
+    the file, variable, sample and the rank that read it) instead of giving
+    NaN statistics; any other read error is likewise raised on every rank.
     """
     pipe = DomainPipe(source, mesh, shuffle=False, drop_last=False, **pipe_options)
     names = tuple(variables) if variables is not None else tuple(
         v for v in source.variables if source.dtype(v).kind in "fc"
     )
     local = torch.tensor([[0.0, 0.0, 0.0, float("inf"), float("-inf")]] * len(names), dtype=torch.float64)
+    error = None
     try:
         for batch in pipe:
             for i, name in enumerate(names):
                 local[i] = _combine(local[i], _moments(batch[name].to_local()))
+    except Exception as err:  # e.g. a NaN in this rank's slab (validate=True): only this rank knows
+        error = err
     finally:
         pipe.close()
+    check_all_ranks(error, mesh)  # every rank raises it, instead of waiting in the all_gather below
     total = _all_combine(local, mesh)
     per = {name: total[i].tolist() for i, name in enumerate(names)}
     return Statistics(

@@ -11,24 +11,39 @@ layout), and the figures — lives here once. The minimal examples use only
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import math
 import os
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from datapipes import check_all_ranks
 from physicsnemo_dp import ShardTensor, launch
-from physicsnemo_dp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from physicsnemo_dp._torch_compat import default_store
+from physicsnemo_dp.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from physicsnemo_dp.distributed import MeshContext, parallelize_model
 
 __all__ = ["training_parser", "build_context", "check_batch", "prepare_output", "finish", "main", "RunLog", "fit",
            "global_mean", "cosine_schedule", "build_training", "plot_loss", "plot_fields", "plot_points",
-           "open_run", "close_run", "on_ranks"]
+           "open_run", "close_run", "on_ranks", "NonFiniteLossError", "StepWatchdog"]
 
 
 # --------------------------------------------------------------------------- #
@@ -53,19 +68,37 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
                      help="data-parallel wrapper on the ddp axis")
     run.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                      help="cuda: NCCL and one GPU per rank (LOCAL_RANK); cpu: gloo")
+    run.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                     help="collective timeout of the process group, and the longest a training step (with its "
+                          "checkpoint) may take before the watchdog reports the ranks that did not arrive and "
+                          "ends the job")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to it)")
     train.add_argument("--batch-size", type=int, default=batch_size, help="samples per step, split over the ddp ranks")
     train.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine decay over --steps)")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample order")
     train.add_argument("--prefetch", type=int, default=2, help="batches the datapipe reads ahead (0: read in the loop)")
+    train.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
+                       help="a NaN/inf global loss: stop (every rank exits naming the step and the ranks whose data "
+                            "gave it; nothing is saved) or skip the step (no optimizer step)")
+    train.add_argument("--max-skips", type=int, default=10,
+                       help="with --on-nonfinite skip: stop after this many consecutive skipped steps")
     files = parser.add_argument_group("output")
     files.add_argument("--out", type=Path, default=Path(out), help="folder for the log, checkpoints, plots and data")
-    files.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                       help="continue from the newest checkpoint in OUT/checkpoints (or from this checkpoint folder)")
+    files.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|FOLDER",
+                       help="latest (the default of a bare --resume): the newest loadable checkpoint in "
+                            "OUT/checkpoints, failing if there is none; auto: that, or start fresh if there is "
+                            "none; FOLDER: exactly that checkpoint folder")
     files.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints (and one at the end)")
     files.add_argument("--quiet", action="store_true", help="no progress bar (messages and the log file remain)")
     return parser
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def build_context(args: argparse.Namespace) -> MeshContext:
@@ -77,7 +110,7 @@ def build_context(args: argparse.Namespace) -> MeshContext:
         domain = 2 if int(os.environ.get("WORLD_SIZE", "1")) % 2 == 0 else 1
     return MeshContext.build(
         domain_size=domain, ddp_size=ddp, strategy=None if args.strategy == "none" else args.strategy,
-        device_type=args.device, backend="nccl" if args.device == "cuda" else "gloo",
+        device_type=args.device, backend="nccl" if args.device == "cuda" else "gloo", timeout=args.timeout,
     )
 
 
@@ -178,14 +211,35 @@ class RunLog:
 # --------------------------------------------------------------------------- #
 # The training loop
 # --------------------------------------------------------------------------- #
+class NonFiniteLossError(RuntimeError):
+    """The global loss was NaN or infinite (raised on every rank alike, before anything is saved)."""
+
+
 def global_mean(value, context: MeshContext) -> float:
     """A per-ddp-rank mean (ShardTensor or tensor) averaged over the ddp ranks: the global batch's mean."""
+    return _mean_and_nonfinite(value, context)[0]
+
+
+def _mean_and_nonfinite(value, context: MeshContext) -> tuple[float, list[int]]:
+    """The global mean of ``value`` and the ddp ranks whose ``value`` is NaN/inf, from one all-reduce.
+
+    The logged loss is all-reduced over the ddp ranks anyway; a one-hot
+    "not finite" flag per ddp rank rides along in the same tensor, so every
+    rank learns which ddp ranks diverged without another collective. The
+    domain ranks of a ddp rank hold the same (replicated) loss, so every rank
+    of the world gets the same answer.
+    """
     if isinstance(value, ShardTensor):
         value = value.full_tensor()
-    value = value.detach().to(torch.float64).reshape(1)
-    if context.ddp_size > 1:
-        dist.all_reduce(value, group=context.ddp_mesh.get_group())
-    return value.item() / context.ddp_size
+    mine, ddp_size = float(value.detach().reshape(())), context.ddp_size
+    if ddp_size == 1:
+        return mine, [] if math.isfinite(mine) else [0]
+    packed = [mine] + [0.0] * ddp_size
+    packed[1 + context.ddp_rank] = float(not math.isfinite(mine))
+    packed = torch.tensor(packed, dtype=torch.float64, device=value.device)
+    dist.all_reduce(packed, group=context.ddp_mesh.get_group())
+    total, *flags = packed.tolist()
+    return total / ddp_size, [r for r, flag in enumerate(flags) if flag]
 
 
 def _endless(pipe) -> Iterator:
@@ -210,6 +264,69 @@ def _restore_position(pipe, saved: dict) -> None:
     pipe.load_state_dict({**saved, "ddp_size": mine["ddp_size"], "batch_size": mine["batch_size"]})
 
 
+def _resume(args: argparse.Namespace, context: MeshContext, root: Path, model, optimizer, scheduler, log: RunLog):
+    """``--resume``: the Restored checkpoint, or None to start at step 0; the same decision on every rank.
+
+    ``latest`` fails when nothing under ``root`` loads (a run that silently
+    restarts from step 0 would overwrite the good checkpoints it failed to
+    read); ``auto`` starts fresh then; a folder must load. The reason every
+    candidate was skipped (the checkpoint module's warnings) is in the message.
+    """
+    if args.resume is None:
+        return None
+    source = root if args.resume in ("latest", "auto") else Path(args.resume)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        try:
+            restored, error = load_checkpoint(source, model, optimizer, scheduler), None
+        except CheckpointError as err:
+            restored, error = None, err
+    for w in caught:  # shown as usual, and named in the error below
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    check_all_ranks(error)  # an explicit folder that fails on any rank fails on every rank
+    loaded = torch.tensor([restored is not None, restored is None], dtype=torch.int32, device=context.device)
+    dist.all_reduce(loaded)
+    loaded = loaded.cpu()
+    if loaded.min().item() > 0:  # some ranks loaded, others found nothing: never train on a mix
+        raise CheckpointError(f"--resume {args.resume}: {loaded[0].item()} rank(s) loaded a checkpoint from "
+                              f"{source}, {loaded[1].item()} found none; is {source} on a filesystem every rank sees?")
+    if restored is not None:
+        return restored
+    skipped = "".join(f"\n  skipped: {w.message}" for w in caught if issubclass(w.category, CheckpointWarning))
+    if args.resume == "auto":
+        log.info(f"--resume auto: no loadable checkpoint in {source}, starting from step 0{skipped}")
+        return None
+    raise SystemExit(f"--resume {args.resume}: no loadable checkpoint in {source}{skipped or ' (none there)'}; "
+                     "pass --resume auto to start fresh when there is none")
+
+
+def _nonfinite_report(step: int, loss: float, bad: list[int], batch, context: MeshContext, action: str) -> str:
+    """Which step, and which ranks' data gave the non-finite loss (every rank returns the same text).
+
+    Only on this rare path does each rank look for NaN/inf in its own piece
+    of the batch; the pieces' verdicts are gathered so that the message tells
+    NaN data (and on which (ddp, domain) rank) from divergence.
+    """
+    mine = None
+    if context.ddp_rank in bad:
+        nonfinite = None  # a batch that is not a dict of tensors is not inspected
+        if isinstance(batch, Mapping):
+            pieces = {k: (v.to_local() if isinstance(v, ShardTensor) else v) for k, v in batch.items()}
+            nonfinite = sorted(k for k, v in pieces.items()
+                               if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all())
+        mine = (dist.get_rank(), context.ddp_rank, context.domain_rank, getattr(batch, "samples", None), nonfinite)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    lines = []
+    for rank, ddp, domain, samples, nonfinite in (g for g in gathered if g is not None):
+        what = ("its data was not inspected" if nonfinite is None else
+                f"non-finite values in {nonfinite}" if nonfinite else "its data is finite (divergence?)")
+        at = "" if samples is None else f", samples {list(samples)}"
+        lines.append(f"  rank {rank} (ddp {ddp}, domain {domain}{at}): {what}")
+    return (f"step {step}: the loss is not finite ({loss}) on ddp rank(s) {bad} (--on-nonfinite {action})\n"
+            + "\n".join(lines))
+
+
 def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callable, args: argparse.Namespace,
         out: Path, log: RunLog) -> list[float]:
     """Train to ``args.steps`` (resuming if asked) and return the global-batch loss of every step.
@@ -217,39 +334,195 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
     ``loss_fn(model, batch)`` returns this ddp rank's mean loss. A checkpoint
     (model, optimizer, scheduler, RNG, the pipe's position and the losses so
     far) is written every ``--checkpoint-every`` steps and at the end.
+
+    What stops a run, on every rank alike: a data error on any rank
+    (:func:`datapipes.check_all_ranks`, one flag all-reduced per step before
+    the forward's first collective); a non-finite global loss
+    (``--on-nonfinite``: checked before the optimizer step, so the weights
+    and every checkpoint stay finite); a step that does not finish within
+    ``--timeout`` seconds (:class:`StepWatchdog`).
     """
     root = out / "checkpoints"
-    step, losses = 0, []
-    if args.resume is not None:
-        source = root if args.resume == "latest" else Path(args.resume)
-        restored = load_checkpoint(source, model, optimizer, scheduler)
-        if restored is None:
-            log.info(f"no checkpoint in {source}: starting from step 0")
-        else:
-            step, losses = restored.step, list(restored.extra["losses"])
-            _restore_position(pipe, restored.extra["pipe"])
-            saved = restored.extra.get("layout")
-            log.info(f"resumed from {restored.path} at step {step} (saved on layout {saved}, "
-                     f"now ({context.ddp_size}, {context.domain_size}))")
+    step, losses, skips = 0, [], 0
+    restored = _resume(args, context, root, model, optimizer, scheduler, log)
+    if restored is not None:
+        step, losses = restored.step, list(restored.extra["losses"])
+        _restore_position(pipe, restored.extra["pipe"])
+        saved = restored.extra.get("layout")
+        log.info(f"resumed from {restored.path} at step {step} (saved on layout {saved}, "
+                 f"now ({context.ddp_size}, {context.domain_size}))")
     log.start(step, args.steps)
     batches = _endless(pipe)
-    while step < args.steps:
-        loss = loss_fn(model, next(batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        losses.append(global_mean(loss, context))
-        log.step(step, losses[-1], args.batch_size)
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size]}
-            save_checkpoint(root, step, model, optimizer, scheduler, extra=extra)
-    batches.close()
+    watchdog = StepWatchdog(args.timeout, log)
+    try:
+        while step < args.steps:
+            watchdog.at(step + 1, "reading data")
+            try:
+                batch, error = next(batches), None
+            except Exception as err:  # only this rank knows: tell the others before they block
+                batch, error = None, err
+            watchdog.at(step + 1, "agreeing on the data")
+            check_all_ranks(error)
+            watchdog.at(step + 1, "forward and backward")
+            loss = loss_fn(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            watchdog.at(step + 1, "loss")
+            value, bad = _mean_and_nonfinite(loss, context)
+            if bad:
+                report = _nonfinite_report(step + 1, value, bad, batch, context, args.on_nonfinite)
+                skips += 1
+                if args.on_nonfinite == "stop" or skips > args.max_skips:
+                    limit = "" if args.on_nonfinite == "stop" else f"\n{skips} consecutive steps skipped (--max-skips)"
+                    raise NonFiniteLossError(f"{report}{limit}\nnothing was saved for this step; the newest "
+                                             f"checkpoint is {latest_checkpoint(root)}")
+                optimizer.zero_grad(set_to_none=True)  # the step's gradients are dropped
+                log.info(f"{report}\nskipped ({skips} in a row, at most {args.max_skips})")
+                continue
+            skips = 0
+            watchdog.at(step + 1, "optimizer step")
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            losses.append(value)
+            log.step(step, losses[-1], args.batch_size)
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                watchdog.at(step, "writing a checkpoint")
+                extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size]}
+                save_checkpoint(root, step, model, optimizer, scheduler, extra=extra)
+    except BaseException as err:
+        watchdog.failed(step + 1, err)
+        raise
+    finally:
+        watchdog.stop()
+        batches.close()
     log.stop()
     if losses:
         log.info(f"final loss {losses[-1]:.6g} after {step} steps; checkpoint {latest_checkpoint(root)}")
     return losses
+
+
+_RUNS = itertools.count()  # one watchdog key space per fit() in this process (the same count on every rank)
+
+
+class StepWatchdog:
+    """A daemon thread per rank that ends a job whose step hangs, naming the step and the ranks that did not arrive.
+
+    Without it, a rank that stops (SIGSTOP, a deadlock, a hung filesystem)
+    leaves the others waiting in a collective until the process group's
+    timeout, which then names neither the step nor the rank. The training
+    thread only records where it is (``at(step, phase)``: an attribute
+    assignment, no I/O); the watchdog thread publishes that position with a
+    heartbeat counter to the process group's store every ``poll`` seconds.
+    When this rank's current step has lasted ``timeout`` seconds it reads
+    every rank's position twice, ``3 * poll`` apart: a rank whose heartbeat
+    did not move is not responding (stopped or dead); a rank at an earlier
+    step did not arrive. It prints that report (stderr, and ``train.log``
+    on rank 0), SIGKILLs the non-responding ranks on this host (a stopped
+    process ignores the launcher's SIGTERM, which would keep the job alive for
+    torchrun's 30 s grace), and exits with status 1 so the launcher tears the
+    job down.
+    """
+
+    def __init__(self, timeout: float, log: RunLog | None = None, poll: float | None = None):
+        self.timeout = float(timeout)
+        self.poll = poll if poll is not None else min(1.0, self.timeout / 10)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._log = log
+        self._store = default_store()
+        self._prefix = f"pdp_watchdog/{next(_RUNS)}/"
+        self._where = (0, "starting")
+        self._started = time.monotonic()  # when the training thread entered step self._where[0]
+        self._beat = 0
+        self._halted = False
+        self._wake = threading.Event()  # set by a new step or by stop(): publish now
+        self._reporter = threading.Lock()  # one report per rank, from whichever thread sees the stall first
+        self._publish()
+        self._thread = threading.Thread(target=self._watch, name="pdp-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def at(self, step: int, phase: str) -> None:
+        """The training thread is now in ``step`` (1-based), doing ``phase``."""
+        new = step != self._where[0]
+        if new:
+            self._started = time.monotonic()
+        self._where = (step, phase)
+        if new:
+            self._wake.set()
+
+    def failed(self, step: int, error: BaseException) -> None:
+        """The training thread raised: a collective that timed out is a stall (report it); else publish the error.
+
+        A collective times out ``timeout`` seconds after it started, so at
+        least that long after its step started: the report is the same
+        whether this thread or the watchdog's sees the stall first.
+        """
+        if time.monotonic() - self._started >= self.timeout - self.poll:
+            self._stall(self._where[0])
+        self.at(step, f"failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        self._publish()
+
+    def stop(self) -> None:
+        self._halted = True
+        self._wake.set()
+        self._thread.join()
+
+    def _publish(self) -> None:
+        self._beat += 1
+        step, phase = self._where
+        self._store.set(f"{self._prefix}{self.rank}", json.dumps(
+            {"step": step, "phase": phase, "beat": self._beat, "host": socket.gethostname(), "pid": os.getpid()}))
+
+    def _positions(self) -> dict[int, dict]:
+        keys = {r: f"{self._prefix}{r}" for r in range(self.world)}
+        return {r: json.loads(self._store.get(k)) for r, k in keys.items() if self._store.check([k])}
+
+    def _watch(self) -> None:
+        while not self._halted:
+            self._wake.wait(max(0.0, min(self.poll, self._started + self.timeout - time.monotonic())))
+            self._wake.clear()
+            if self._halted:
+                return
+            self._publish()
+            if time.monotonic() - self._started >= self.timeout:
+                self._stall(self._where[0])
+
+    def _stall(self, step: int) -> None:
+        """Report who did not arrive at ``step``, end the stopped ranks on this host, exit 1 (never returns)."""
+        if not self._reporter.acquire(blocking=False):  # the other thread is reporting and will exit
+            while True:
+                time.sleep(60)
+        first = self._positions()
+        for _ in range(3):  # keep beating while the other ranks' reports read this one
+            time.sleep(self.poll)
+            self._publish()
+        last = self._positions()
+        frozen = [r for r in range(self.world)
+                  if r != self.rank and (r not in last or last[r]["beat"] == first.get(r, {}).get("beat"))]
+        behind = [r for r in range(self.world) if r not in frozen and last.get(r, {}).get("step", 0) < step]
+        lines = []
+        for r in range(self.world):
+            p = last.get(r)
+            where = "never reported" if p is None else f"step {p['step']}, {p['phase']}"
+            state = "NOT RESPONDING" if r in frozen else "did not arrive" if r in behind else "waiting"
+            lines.append(f"  rank {r}: {state} ({where})")
+        culprits = frozen + behind
+        report = (f"[rank {self.rank}] step {step} did not finish within --timeout {self.timeout:g} s; ranks that did "
+                  f"not arrive: {culprits or 'none (every rank is alive and at this step: a collective mismatch?)'}\n"
+                  + "\n".join(lines))
+        print(report, file=sys.stderr, flush=True)
+        if self._log is not None:
+            self._log.info(report)
+        live = [r for r in range(self.world) if r not in frozen]
+        if live and live[0] == self.rank:  # one rank ends the stopped ones on its host
+            for r in frozen:
+                if r in last and last[r]["host"] == socket.gethostname():
+                    try:
+                        os.kill(last[r]["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def cosine_schedule(optimizer, steps: int, warmup: int = 5):

@@ -102,6 +102,8 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="collective timeout in seconds: a rank that stops makes the others fail after it")
     args = parser.parse_args(argv)
     if args.bf16 and args.strategy != "fsdp2":
         parser.error("--bf16 needs --strategy fsdp2 (FSDP2 applies the mixed-precision policy)")
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
         strategy=None if args.strategy == "none" else args.strategy,
         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None,
         activation_checkpointing=args.checkpointing,
+        timeout=args.timeout,
     )
     rank0 = dist.get_rank() == 0
     if rank0:

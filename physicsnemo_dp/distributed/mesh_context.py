@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,20 +65,20 @@ def resolve_sizes(world_size: int, domain_size: int | None, ddp_size: int | None
     return ddp_size, domain_size
 
 
-def _ensure_process_group(backend: str | None, device_type: str) -> None:
+def _ensure_process_group(backend: str | None, device_type: str, timeout: timedelta | None = None) -> None:
     """Join the default process group: from torchrun's environment, or alone (world size 1).
 
     A script started with plain ``python`` has no ``WORLD_SIZE``; it gets a
     single-rank group on an in-memory store, so the same script runs with and
-    without ``torchrun``.
+    without ``torchrun``. ``timeout`` bounds every collective (None: torch's default).
     """
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _normalize_checkpointing(value) -> ActivationCheckpointing | None:
@@ -149,6 +150,7 @@ class MeshContext:
         strategy=None,
         device_type: str | None = None,
         backend: str | None = None,
+        timeout: float | timedelta | None = None,
         **policies,
     ) -> "MeshContext":
         """Build the mesh for the current world and wrap it.
@@ -157,7 +159,10 @@ class MeshContext:
         gives a (4, 2) mesh. Joins the default process group first if needed
         (torchrun's environment, or a single-rank group without one).
         ``policies`` are the remaining fields (``activation_checkpointing``,
-        ``mixed_precision``, ``trainability``).
+        ``mixed_precision``, ``trainability``). ``timeout`` (seconds or a
+        timedelta) is the process group's collective timeout when this call
+        creates the group: a rank that stops makes the others fail after it
+        instead of waiting forever (ignored when the group already exists).
 
         Raises:
             TypeError: a size that is not an int.
@@ -168,7 +173,11 @@ class MeshContext:
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         if device_type == "cuda":  # before NCCL initializes: one GPU per local rank
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        _ensure_process_group(backend, device_type)
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            if timeout <= 0:
+                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+            timeout = timedelta(seconds=timeout)
+        _ensure_process_group(backend, device_type, timeout)
         sizes = resolve_sizes(dist.get_world_size(), domain_size, ddp_size)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
         return cls(mesh, strategy, **policies)

@@ -1,0 +1,208 @@
+"""Training loops that stop cleanly and say why (issue 14, items 8, 11, 12 and 16).
+
+Every test runs ``examples/unet_darcy.py``'s whole run (``_common.fit``) on
+harness ranks with a tiny grid, and injects the failure from the rank body:
+NaN data on one rank, corrupt checkpoints, a rank that stops. On the loop
+as it was before, the NaN runs trained on and saved NaN weights, ``--resume``
+with nothing loadable started from step 0, and a stopped rank hung the job.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import _common
+import unet_darcy
+from datapipes import InvalidValuesError
+
+from . import EXAMPLES
+from ._run import argv, context, on_layout
+
+ROOT = EXAMPLES.parent
+TINY = {"--grid": 20, "--samples": 16, "--test-samples": 2, "--width": 8, "--batch-size": 4, "--quiet": None,
+        "--prefetch": 0}
+
+
+def _poisoned(at_calls, rank: int):
+    """``unet_darcy.loss_fn`` that writes a NaN into global rank ``rank``'s piece of the batch at the given calls."""
+    calls = [0]
+
+    def loss_fn(model, batch):
+        calls[0] += 1
+        if calls[0] in at_calls and dist.get_rank() == rank:
+            batch["permeability"].to_local()[0, 0, 0] = float("nan")
+        return unet_darcy.__dict__["_original_loss_fn"](model, batch)
+
+    return loss_fn
+
+
+def run_poisoned(ctx, out: str, options: dict, at_calls: tuple, rank: int) -> dict:
+    """Rank body: the run with NaN data on ``rank`` at ``at_calls``; what happened, as plain data."""
+    unet_darcy._original_loss_fn = unet_darcy.loss_fn
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(unet_darcy, "loss_fn", _poisoned(set(at_calls), rank))
+            try:
+                result = unet_darcy.run(argv(options, out), context(ctx, "ddp"))
+            except _common.NonFiniteLossError as err:
+                return {"error": str(err), "checkpoints": _checkpoints(out)}
+    finally:
+        del unet_darcy._original_loss_fn
+    log = (Path(out) / "train.log").read_text() if ctx.rank == 0 else ""
+    return {"losses": result["losses"], "checkpoints": _checkpoints(out), "log": log}
+
+
+def _checkpoints(out) -> list[str]:
+    folder = Path(out) / "checkpoints"
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+# --------------------------------------------------------------------------- #
+# Item 12: a non-finite loss stops every rank (or skips the step), never saved
+# --------------------------------------------------------------------------- #
+@pytest.mark.timeout(300)
+def test_nan_data_on_one_rank_stops_every_rank_before_the_step_is_saved(tmp_path):
+    options = {**TINY, "--steps": 5, "--checkpoint-every": 1}
+    # global rank 3 = (ddp 1, domain 1) on the (2, 2) mesh; its NaN reaches ddp rank 1's loss at step 3
+    got = on_layout(__name__, "run_poisoned", (2, 2), out=tmp_path, options=options, at_calls=(3,), rank=3)
+    error = got.get("error", "")
+    assert error.startswith("step 3: the loss is not finite (nan) on ddp rank(s) [1] (--on-nonfinite stop)"), got
+    assert "rank 3 (ddp 1, domain 1, samples [" in error and "non-finite values in ['permeability']" in error
+    assert "rank 2 (ddp 1, domain 0, samples [" in error and "its data is finite" in error
+    assert "nothing was saved for this step" in error
+    assert got["checkpoints"] == ["step_00000001", "step_00000002"]  # no step 3, nothing after
+
+
+@pytest.mark.timeout(300)
+def test_skip_drops_the_step_and_gives_up_after_max_skips(tmp_path):
+    options = {**TINY, "--steps": 4, "--checkpoint-every": 100, "--on-nonfinite": "skip"}
+    once = on_layout(__name__, "run_poisoned", (2, 1), out=tmp_path / "once", options=options, at_calls=(2,), rank=1)
+    assert len(once["losses"]) == 4 and all(math.isfinite(v) for v in once["losses"]), once
+    assert "step 2: the loss is not finite (nan) on ddp rank(s) [1] (--on-nonfinite skip)" in once["log"]
+    assert "skipped (1 in a row, at most 10)" in once["log"]
+    assert once["checkpoints"] == ["step_00000004"]
+    always = on_layout(__name__, "run_poisoned", (2, 1), out=tmp_path / "always",
+                       options={**options, "--max-skips": 2}, at_calls=(2, 3, 4, 5), rank=1)
+    assert "3 consecutive steps skipped (--max-skips)" in always.get("error", ""), always
+
+
+# --------------------------------------------------------------------------- #
+# Item 8: a NaN found by validation on one rank is raised on every rank
+# --------------------------------------------------------------------------- #
+def run_with_bad_file(ctx, out: str, options: dict) -> str:
+    """Rank body: the training set on disk has a NaN in the last row of sample 5 (read by one rank only)."""
+    import h5py
+
+    train, _ = unet_darcy.prepare_data(unet_darcy.parse_args(argv(options, out)), Path(out).resolve())
+    if ctx.rank == 0:
+        with h5py.File(train, "r+") as f:
+            f["pressure"][5, -1, 3] = float("nan")
+    dist.barrier()
+    with pytest.MonkeyPatch.context() as patch:  # statistics without validation: the pipe of fit finds it
+        patch.setattr(unet_darcy, "DomainPipe", _validating(unet_darcy.DomainPipe))
+        patch.setattr(unet_darcy, "compute_statistics", lambda *a, **k: _finite_statistics())
+        with pytest.raises(InvalidValuesError) as raised:
+            unet_darcy.run(argv(options, out), context(ctx, "ddp"))
+    return str(raised.value)
+
+
+def _validating(pipe_class):
+    return lambda *args, **kwargs: pipe_class(*args, **{**kwargs, "validate": True})
+
+
+def _finite_statistics():
+    from datapipes import Statistics
+
+    names = (unet_darcy.INPUT, unet_darcy.TARGET)
+    return Statistics(*({n: v for n in names} for v in (1, 0.0, 1.0, -1.0, 1.0)))
+
+
+@pytest.mark.timeout(300)
+def test_invalid_values_on_one_rank_stop_every_rank_with_the_same_error(tmp_path):
+    options = {**TINY, "--steps": 8, "--checkpoint-every": 100}
+    message = on_layout(__name__, "run_with_bad_file", (2, 2), out=tmp_path, options=options)
+    assert "variable 'pressure' of sample 5" in message and "darcy_20_train_n16_seed0.h5" in message
+    assert "read by rank 3 (ddp 1, domain 1)" in message or "read by rank 1 (ddp 0, domain 1)" in message
+
+
+# --------------------------------------------------------------------------- #
+# Item 11: --resume fails when nothing loads, unless --resume auto
+# --------------------------------------------------------------------------- #
+def resume(ctx, out: str, options: dict, corrupt: bool) -> dict:
+    """Rank body: train 2 steps (2 checkpoints), optionally corrupt both, then resume three ways."""
+    unet_darcy.run(argv({**options, "--steps": 2}, out), context(ctx, "ddp"))
+    if corrupt and ctx.rank == 0:
+        for folder in (Path(out) / "checkpoints").iterdir():
+            biggest = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+            biggest.write_bytes(biggest.read_bytes()[:-7])  # truncated: the manifest no longer matches
+    dist.barrier()
+    results = {}
+    with pytest.raises(SystemExit) as failed:
+        unet_darcy.run(argv({**options, "--steps": 3, "--resume": "latest"}, out), context(ctx, "ddp"))
+    results["latest"] = str(failed.value.code)
+    auto = unet_darcy.run(argv({**options, "--steps": 3, "--resume": "auto"}, out), context(ctx, "ddp"))
+    results["auto_steps"] = len(auto["losses"])
+    results["log"] = (Path(out) / "train.log").read_text() if ctx.rank == 0 else ""
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_resume_latest_fails_when_no_checkpoint_loads_and_auto_starts_fresh(tmp_path):
+    options = {**TINY, "--checkpoint-every": 1}
+    got = on_layout(__name__, "resume", (2, 1), out=tmp_path, options=options, corrupt=True)
+    assert got["latest"].startswith(f"--resume latest: no loadable checkpoint in {tmp_path / 'checkpoints'}"), got
+    for step in ("step_00000001", "step_00000002"):  # each rejected candidate is named, with the reason
+        assert step in got["latest"], got["latest"]
+    assert "--resume auto" in got["latest"]
+    assert got["auto_steps"] == 3  # started from step 0
+    assert "--resume auto: no loadable checkpoint" in got["log"]
+
+
+def test_resume_and_timeout_flags():
+    args = unet_darcy.parse_args([])
+    assert (args.resume, args.timeout, args.on_nonfinite, args.max_skips) == (None, 600.0, "stop", 10)
+    assert unet_darcy.parse_args(["--resume"]).resume == "latest"
+    assert unet_darcy.parse_args(["--resume", "auto", "--timeout", "30"]).timeout == 30.0
+    with pytest.raises(SystemExit):
+        unet_darcy.parse_args(["--timeout", "0"])
+
+
+# --------------------------------------------------------------------------- #
+# Item 16: a rank that stops is reported (step, rank) and the job ends
+# --------------------------------------------------------------------------- #
+STALL_STEP, STALL_RANK, TIMEOUT = 3, 2, 10
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_rank_ends_the_torchrun_job_naming_the_step_and_the_rank(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(EXAMPLES), env.get("PYTHONPATH")]))
+    flags = argv({**TINY, "--steps": 6, "--checkpoint-every": 100, "--batch-size": 3, "--test-samples": 3,
+                  "--timeout": TIMEOUT}, tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+               str(Path(__file__).with_name("_stall.py")), str(STALL_STEP), str(STALL_RANK), *flags]
+    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        stdout, stderr = job.communicate(timeout=300)
+    finally:
+        try:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    stopped_at = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("stalling rank")]
+    assert job.returncode != 0 and stopped_at, stdout[-3000:] + stderr[-5000:]
+    assert f"step {STALL_STEP} did not finish within --timeout {TIMEOUT:g} s; ranks that did not arrive: [{STALL_RANK}]" \
+        in stderr, stderr[-5000:]
+    assert f"rank {STALL_RANK}: NOT RESPONDING" in stderr and "rank 0: waiting (step 3" in stderr
+    assert time.time() - stopped_at[0] < TIMEOUT + 25, "the job did not end soon after the timeout"

@@ -14,8 +14,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from . import _layout, collectives
+from . import _agreement, _layout, collectives
 from ._plan import Layout, Step, default_dst_sizes, plan
+from .debug.checks import checks_enabled
 from .split import offsets_from_sizes
 
 
@@ -153,6 +154,8 @@ def redistribute_local(local: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
             f"({tuple(src_spec.mesh.shape)} -> {tuple(dst_spec.mesh.shape)}); "
             "redistribute on the source mesh, then move data explicitly"
         )
+    if checks_enabled():  # opt-in collective check that every rank moves the same layouts
+        _agreement.verify("redistribute", src_spec.mesh, local, src_spec, None, target=dst_spec)
     steps = _steps(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
     return run_plan(local, steps, src_spec.mesh)
 

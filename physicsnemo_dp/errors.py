@@ -10,8 +10,11 @@ class PlacementError(ValueError, RuntimeError):
 
     It is both a ``ValueError`` (bad argument) and a ``RuntimeError`` (what
     DTensor raises for the same mistakes), so either ``except`` clause works.
-    The checks read only metadata that every rank shares, so every rank raises
-    the same error instead of some ranks waiting in a collective.
+    The checks read only metadata that every rank shares, or that every rank
+    first gathered from all ranks (``physicsnemo_dp._agreement``), so every
+    rank raises the same error instead of some ranks waiting in a collective.
+    Communication-free constructions compare ranks only in the checking mode
+    (:func:`physicsnemo_dp.debug.checks`).
     """
 
 

@@ -1,11 +1,12 @@
 """``scatter_tensor``: distribute a tensor that one rank holds.
 
-The source first broadcasts a few ints of metadata (shape, dtype, and whether
-its input is valid) so every rank validates the same facts and raises the same
-error — never a hang. The data then travels mesh dim by mesh dim: at stage
-``m`` each rank that holds a block splits it by the placement of mesh dim ``m``
-and sends every member of its group only the part that member's subtree
-needs. On a 1-D mesh this is one all-to-all in which each rank receives exactly
+Every rank first contributes a few ints of metadata to one all-gather (the
+source its tensor's shape and dtype, every rank its arguments and whether they
+were valid), so every rank validates the same facts and raises the same error
+— never a hang, also when only one rank passed a wrong argument. The data
+then travels mesh dim by mesh dim: at stage ``m`` each rank that holds a block
+splits it by the placement of mesh dim ``m`` and sends every member of its
+group only the part that member's subtree needs. On a 1-D mesh this is one all-to-all in which each rank receives exactly
 its shard; on an n-D mesh a block may be relayed once per mesh dim.
 """
 
@@ -17,30 +18,19 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _layout, collectives
+from . import _agreement, _layout, collectives
 from ._plan import marginal
+from .errors import PlacementError
 from .split import offsets_from_sizes
-from .shard_tensor import _DTYPES, _MAX_NDIM, ShardTensor
+from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec
 
 __all__ = ["scatter_tensor"]
-
-_OK, _NOT_A_TENSOR, _WRONG_DEVICE = 1, 0, 2
 
 
 def _coords_of(mesh: DeviceMesh, global_rank: int) -> tuple[int, ...] | None:
     hits = (mesh.mesh == global_rank).nonzero()
     return tuple(int(c) for c in hits[0]) if len(hits) else None
-
-
-def _broadcast_ints(values: list[int] | None, n: int, src: Sequence[int], mesh: DeviceMesh) -> list[int]:
-    """Stage-wise broadcast of ``n`` ints from mesh coordinate ``src``."""
-    coord = tuple(mesh.get_coordinate())
-    buf = torch.tensor(values if values is not None else [0] * n, dtype=torch.int64, device=collectives.mesh_device(mesh))
-    for m in range(mesh.ndim):
-        if coord[m + 1 :] == tuple(src[m + 1 :]):
-            buf = collectives.broadcast(buf, src[m], mesh, m)
-    return buf.tolist()
 
 
 def _subtree_shape(spec: ShardTensorSpec, coord, upto: int) -> list[int]:
@@ -105,41 +95,40 @@ def scatter_tensor(
 
     Other ranks may pass ``None``. Shard sizes follow the one split rule.
     ``global_shape`` and ``dtype``, when given, are checked against the
-    source's tensor; the result is a leaf that requires grad if asked.
+    source's tensor; the result is a leaf that requires grad if asked. Every
+    argument is compared across ranks first (one all-gather of a few ints), so
+    a mistake on any rank raises the same error on every rank.
     """
-    if isinstance(global_src, bool) or not isinstance(global_src, int):
-        raise ValueError(f"global_src must be an int rank, got {global_src!r}")
-    src = _coords_of(mesh, global_src)
-    if src is None:
-        raise ValueError(f"global_src={global_src} is not a rank of the mesh {mesh.mesh.tolist()}")
     me = torch.distributed.get_rank()
-    header = None
-    if me == global_src:
-        header = [_NOT_A_TENSOR] + [0] * (_MAX_NDIM + 2)
-        if isinstance(tensor, torch.Tensor) and tensor.ndim <= _MAX_NDIM:
-            code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
-            status = _OK if tensor.device.type == mesh.device_type else _WRONG_DEVICE
-            header = [status, tensor.ndim, code, *tensor.shape, *([0] * (_MAX_NDIM - tensor.ndim))]
-    status, ndim, code, *shape = _broadcast_ints(header, _MAX_NDIM + 3, src, mesh)
-    if status == _NOT_A_TENSOR:
-        raise ValueError(
-            f"scatter_tensor: the source rank {global_src} must pass a torch.Tensor "
-            f"(of at most {_MAX_NDIM} dims) as `tensor`"
+    _, error = _agreement.with_checked_arguments(lambda: _check_arguments(tensor, global_src, mesh, dtype, me))
+    is_src = error is None and me == global_src
+    keys = (
+        global_src if isinstance(global_src, int) and not isinstance(global_src, bool) else -1,
+        _agreement.dtype_code(dtype) if isinstance(dtype, torch.dtype) else -2,
+    )
+    row = _agreement.row(
+        "scatter_tensor",
+        error,
+        mesh,
+        local=tensor if is_src else None,
+        placements=placements,
+        global_shape=global_shape,
+        keys=keys,
+    )
+    table = _agreement.exchange(row, error, mesh, "scatter_tensor")
+    if len({f.keys for f in table}) > 1:
+        raise PlacementError(
+            "scatter_tensor: ranks passed different global_src or dtype ("
+            + "; ".join(f"rank {f.rank}: global_src={f.keys[0]}, dtype={_dtype_name(f.keys[1])}" for f in table)
+            + "); pass the same values on every rank"
         )
-    if status == _WRONG_DEVICE:
-        raise ValueError(
-            f"scatter_tensor: the source tensor is not on a {mesh.device_type!r} device like the "
-            "mesh; move it there first"
-        )
-    if code < 0:
-        raise ValueError("scatter_tensor: the source tensor's dtype is not supported")
-    src_shape = tuple(shape[:ndim])
-    src_dtype = _DTYPES[code]
-    if global_shape is not None and tuple(global_shape) != src_shape:
-        raise ValueError(f"scatter_tensor: global_shape={tuple(global_shape)} but the source tensor has shape {src_shape}")
-    out_dtype = dtype or src_dtype
-    placements = _layout.normalize_placements(placements, mesh.ndim, ndim)
+    source = next(f for f in table if f.rank == global_src)
+    src_shape = source.shape
+    _agreement.global_shape_matches(table, src_shape, "scatter_tensor", f"the source tensor's shape {src_shape}")
+    placements = _agreement.same_placements(table, mesh.ndim, source.ndim)
+    out_dtype = dtype or _agreement.DTYPES[source.dtype]
     spec = ShardTensorSpec.chunked(mesh, placements, src_shape, out_dtype)
+    src = _coords_of(mesh, global_src)
     coord = tuple(mesh.get_coordinate())
     block = tensor.detach().to(out_dtype).contiguous() if me == global_src else None
     for m in range(mesh.ndim):
@@ -150,3 +139,30 @@ def scatter_tensor(
         local = local.clone()  # never alias the caller's tensor
     return ShardTensor(local, spec, requires_grad=requires_grad)
 
+
+def _check_arguments(tensor, global_src, mesh: DeviceMesh, dtype, me: int) -> None:
+    """This rank's own argument checks (raised by every rank after the exchange, never before)."""
+    if isinstance(global_src, bool) or not isinstance(global_src, int):
+        raise ValueError(f"global_src must be an int rank, got {global_src!r}")
+    if _coords_of(mesh, global_src) is None:
+        raise ValueError(f"global_src={global_src} is not a rank of the mesh {mesh.mesh.tolist()}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"scatter_tensor: dtype must be a torch.dtype or None, got {dtype!r}")
+    if me != global_src:
+        return
+    if not isinstance(tensor, torch.Tensor) or tensor.ndim > _agreement.MAX_NDIM:
+        raise ValueError(
+            f"scatter_tensor: the source rank {global_src} must pass a torch.Tensor "
+            f"(of at most {_agreement.MAX_NDIM} dims) as `tensor`"
+        )
+    if tensor.device.type != mesh.device_type:
+        raise ValueError(
+            f"scatter_tensor: the source tensor is not on a {mesh.device_type!r} device like the "
+            "mesh; move it there first"
+        )
+    if _agreement.dtype_code(tensor.dtype) < 0:
+        raise ValueError(f"scatter_tensor: the source tensor's dtype {tensor.dtype} is not supported")
+
+
+def _dtype_name(code: int) -> str:
+    return "None" if code == -2 else str(_agreement.DTYPES[code]) if code >= 0 else "unsupported"

@@ -12,6 +12,7 @@ symbolic ints, which breaks tracing.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
@@ -214,6 +215,17 @@ class ShardTensorSpec(DTensorSpec):
         return self._dim_sizes == _layout.chunk_dim_sizes(
             self.global_shape, self.mesh_shape, self.placements
         )
+
+    @cached_property
+    def digest(self) -> int:
+        """A 63-bit digest of the layout (mesh shape, placements, global shape, shard sizes, dtype).
+
+        Stable across processes (unlike ``hash``, which salts strings per
+        process), so ranks can compare whole specs by exchanging one int; used
+        by the checking mode (:mod:`physicsnemo_dp.debug.checks`).
+        """
+        text = repr((self.mesh_shape, self.placements, self.global_shape, self._dim_sizes, str(self.tensor_meta.dtype)))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
     # ------------------------------------------------------ equality / hash
     def _hash_key(self):

@@ -78,3 +78,34 @@ def test_scatter_errors_reach_every_rank(ctx):
         scatter_tensor(G if ctx.rank == 0 else None, 0, mesh, [Shard(0)] * mesh.ndim, global_shape=(3, 2))
     with pytest.raises(ValueError, match="out of range"):
         scatter_tensor(G if ctx.rank == 0 else None, 0, mesh, [Shard(2)] * mesh.ndim)
+
+
+@distributed(world_sizes=(2, 3))
+def test_scatter_arguments_wrong_on_one_rank_raise_everywhere(ctx):
+    """Every rank's arguments go into the one metadata all-gather, so a mistake made on one
+    rank only raises the same error on all of them (before: that rank raised alone, or the
+    ranks split the tensor in different layouts)."""
+    import torch.distributed as dist
+
+    mesh = ctx.mesh
+    G = integer_tensor((4, 2))
+    src_tensor = G if ctx.rank == 0 else None
+    one = ctx.rank == 1
+    sharded = [Shard(0)] * mesh.ndim
+    cases = [
+        (dict(placements=[Shard(1)] * mesh.ndim if one else sharded), "different placements"),
+        (dict(placements=[Shard(2)] * mesh.ndim if one else sharded), "out of range"),
+        (dict(placements=sharded, global_shape=(3, 2) if one else None), "global_shape"),
+        (dict(placements=sharded, dtype=torch.float32 if one else None), "global_src or dtype"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(ValueError, match=words) as info:
+            scatter_tensor(src_tensor, 0, mesh, **kwargs)
+        assert "rank 1" in str(info.value)
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, str(info.value))
+        assert len(set(everyone)) == 1, everyone
+    with pytest.raises(ValueError, match="global_src") as info:  # another source on one rank
+        scatter_tensor(G, 1 if one else 0, mesh, sharded)
+    x = scatter_tensor(src_tensor, 0, mesh, sharded)  # the ranks stayed in step
+    assert torch.equal(x.full_tensor(), G)

@@ -11,6 +11,8 @@ kind or layout, and each backward is the mirror of its forward:
   given ``grad_placements`` (default: the forward layout, Partial -> Replicate).
 * ``Redistribute``: layout A -> layout B. Backward redistributes the gradient
   from B's layout back to A's.
+* ``Contiguous``: the same layout with the local tensor copied into another
+  memory format. Backward passes the gradient through unchanged.
 
 They use the ``forward`` + ``setup_context`` style that ``torch.compile`` needs.
 """
@@ -81,3 +83,20 @@ class Redistribute(Function):
         local = redistribute_local(grad._local_tensor, grad._spec, target)
         local = grad_of_contribution(local, ctx.src_spec)
         return _shard_tensor_cls()(local, target, requires_grad=False), None
+
+
+class Contiguous(Function):
+    """The local tensor in ``memory_format``, same spec: memory layout is a per-rank property of the local tensor."""
+
+    @staticmethod
+    def forward(tensor, memory_format):
+        local = tensor._local_tensor.contiguous(memory_format=memory_format)
+        return _shard_tensor_cls()(local, tensor._spec, requires_grad=False)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

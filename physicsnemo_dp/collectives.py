@@ -133,6 +133,8 @@ def all_gather_v(
 
     Equal sizes use the backend's all-gather; unequal ones an all-to-all in
     which each rank sends its shard once to every other rank (no padding).
+    Over more than one rank the result is contiguous, whatever the strides of
+    ``local`` (see :func:`_concat`).
     """
     group = mesh.size(mesh_dim)
     me = mesh.get_local_rank(mesh_dim)
@@ -145,13 +147,44 @@ def all_gather_v(
     )
     if group == 1:
         return local
-    moved = local.movedim(dim, 0).contiguous()
+    dim = dim % max(local.ndim, 1)
+    flat = local.contiguous().reshape(-1)  # no copy for a contiguous shard
     if len(set(sizes)) == 1:
-        out = tc.all_gather_tensor(moved, 0, mesh, mesh_dim)
+        received = tc.all_gather_tensor(flat, 0, mesh, mesh_dim)
     else:
-        send = moved.unsqueeze(0).expand(group, *moved.shape).reshape(group * moved.shape[0], *moved.shape[1:])
-        out = tc.all_to_all_single(send, sizes, [sizes[me]] * group, mesh, mesh_dim)
-    return out.movedim(0, dim)
+        block = _block_numel(local.shape, dim)
+        send = flat.repeat(group)  # the shard once per destination, contiguous as the backend reads it
+        received = tc.all_to_all_single(send, [s * block for s in sizes], [flat.numel()] * group, mesh, mesh_dim)
+    return _concat(received, local.shape, sizes, dim)
+
+
+def _block_numel(shape, dim: int) -> int:
+    """Elements per unit of extent along ``dim`` (the product of the other dims)."""
+    n = 1
+    for d, s in enumerate(shape):
+        n *= 1 if d == dim else s
+    return n
+
+
+def _concat(received: torch.Tensor, shape, sizes: Sequence[int], dim: int) -> torch.Tensor:
+    """Every rank's shard, received back to back in rank order, as one contiguous concatenation along ``dim``.
+
+    Shards travel in their own (contiguous) memory order, so the gather needs
+    no send-side transpose. When every dim before ``dim`` has extent 1 the
+    received buffer already *is* the contiguous result (no copy); otherwise
+    one ``cat`` writes it. Gathering along dim 0 of a moved copy instead costs
+    a send-side copy and leaves the strides of the concatenation, which
+    ``.view`` cannot use.
+    """
+    shape = list(shape)
+    outer = 1
+    for s in shape[:dim]:
+        outer *= s
+    if outer == 1:
+        return received.view(*shape[:dim], sum(sizes), *shape[dim + 1 :])
+    block = _block_numel(shape, dim)
+    pieces = received.split([s * block for s in sizes])
+    return torch.cat([p.view(*shape[:dim], s, *shape[dim + 1 :]) for p, s in zip(pieces, sizes)], dim=dim)
 
 
 def reduce_scatter_v(
@@ -170,13 +203,17 @@ def reduce_scatter_v(
     group = mesh.size(mesh_dim)
     me = mesh.get_local_rank(mesh_dim)
     sizes = [int(s) for s in sizes]
-    moved = local.movedim(dim, 0).contiguous()
     if group == 1:
         _record("reduce_scatter", 0, 0)
-        return _finish_reduce(moved, reduce_op, 1).movedim(0, dim)
+        return _finish_reduce(local, reduce_op, 1)
+    dim = dim % local.ndim
+    moved = local.movedim(dim, 0).contiguous()
     received = all_to_all_v(moved, sizes, [sizes[me]] * group, mesh, mesh_dim, kind="reduce_scatter")
     stacked = received.reshape(group, sizes[me], *moved.shape[1:])
-    return _reduce_stack(stacked, reduce_op, group).movedim(0, dim)
+    # Reducing over the stack of a view with the piece's dim back at ``dim``
+    # writes a contiguous result directly (reductions allocate their output
+    # contiguous), instead of returning the strides of the moved copy.
+    return _reduce_stack(stacked.movedim(1, dim + 1), reduce_op, group)
 
 
 def _reduce_stack(stacked: torch.Tensor, reduce_op: str, group: int) -> torch.Tensor:

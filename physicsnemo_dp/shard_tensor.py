@@ -19,8 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from . import _layout, collectives, promotion
-from ._conversion import FromLocal, Redistribute, ToLocal
+from . import _agreement, _layout, promotion
+from ._conversion import Contiguous, FromLocal, Redistribute, ToLocal
 from ._redistribute import grad_layout, redistribute_local, target_layout
 from ._torch_compat import (
     aot_cache_bypass,
@@ -30,6 +30,7 @@ from ._torch_compat import (
     torch_function_disabled,
     traced,
 )
+from .debug.checks import checks_enabled
 from .dispatch import registry
 from .dispatch.torch_dispatch import handle_torch_dispatch
 from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
@@ -39,14 +40,6 @@ from .spec import ShardTensorSpec
 __all__ = ["ShardTensor"]
 
 _TensorBase = torch._C.TensorBase
-
-#: dtypes by code, to compare dtypes across ranks with an int collective.
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-    torch.bool,
-)  # fmt: skip
-_MAX_NDIM = 16
 
 
 #: torch.compile treats ShardTensor as opaque: its graphs record torch calls on
@@ -151,15 +144,21 @@ class ShardTensor(torch.Tensor):
 
         ``sharding_shapes`` says how every rank learns the other shards' sizes:
 
-        * ``"infer"`` (default): one small all-gather of shapes and dtypes over
-          the mesh. Mismatched ranks, dtypes or shapes raise the same
+        * ``"infer"`` (default): one small all-gather of every rank's local
+          shape, dtype, placements and ``global_shape``. Any disagreement, or
+          an invalid argument on some ranks only, raises the same
           ``PlacementError`` on every rank.
         * ``"chunk"``: sizes follow the split rule of ``global_shape`` (required);
-          no communication, so a rank whose local shape disagrees raises alone.
+          no communication, so nothing compares the ranks' arguments: a rank
+          whose local shape disagrees raises alone, the others go on.
         * a dict ``{mesh_dim: [local shape of each rank along that mesh dim]}``,
-          identical on every rank; no communication.
+          identical on every rank; no communication (same caveat).
 
-        ``global_shape``, when given with ``"infer"`` or a dict, is checked.
+        Under :func:`physicsnemo_dp.debug.checks` (or ``PDP_CHECKS=1``) the
+        last two also make one small all-gather that verifies every rank built
+        the same layout and holds its own box, and raise the same error on
+        every rank. ``global_shape``, when given with ``"infer"`` or a dict, is
+        checked.
         """
         return _from_local(local_tensor, device_mesh, placements, sharding_shapes, global_shape)
 
@@ -169,7 +168,10 @@ class ShardTensor(torch.Tensor):
         spec = ShardTensorSpec.chunked(
             dtensor.device_mesh, dtensor.placements, tuple(dtensor.shape), dtensor.dtype
         )
-        return FromLocal.apply(dtensor.to_local(), spec)
+        local = dtensor.to_local()
+        if checks_enabled():  # a DTensor built with from_local(shape=) may hold other sizes
+            _agreement.verify("from_dtensor", dtensor.device_mesh, local, spec, None)
+        return FromLocal.apply(local, spec)
 
     # --------------------------------------------------------- conversion
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -192,9 +194,30 @@ class ShardTensor(torch.Tensor):
         return ToLocal.apply(self, grad_spec)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """The whole tensor on every rank (all pending reductions done)."""
+        """The whole tensor on every rank (all pending reductions done), contiguous as DTensor's.
+
+        The gathers write their result contiguously, so this copies only a
+        local tensor that needed no communication (already replicated) and
+        is not contiguous.
+        """
         replicated = self.redistribute(placements=(Replicate(),) * self._spec.mesh.ndim)
-        return replicated.to_local(grad_placements=grad_placements)
+        return replicated.to_local(grad_placements=grad_placements).contiguous()
+
+    def is_contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+        """Whether this rank's *local* tensor is contiguous in ``memory_format``.
+
+        The wrapper's strides describe the global tensor, which never exists
+        in memory; code that asks (to decide whether ``.view`` works, or a
+        kernel may read rows as consecutive memory) needs the local answer.
+        Ranks may answer differently.
+        """
+        return self._local_tensor.is_contiguous(memory_format=memory_format)
+
+    def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> "ShardTensor":
+        """Same layout with a local tensor contiguous in ``memory_format`` (differentiable; ``self`` if it already is)."""
+        if self.is_contiguous(memory_format=memory_format):
+            return self
+        return Contiguous.apply(self, memory_format)
 
     def redistribute(
         self,
@@ -347,54 +370,38 @@ class ShardTensor(torch.Tensor):
 # traces through it). Only the communication-free modes work under tracing.
 @torch.compiler.allow_in_graph
 def _from_local(local_tensor, device_mesh, placements, sharding_shapes, global_shape) -> ShardTensor:
-    if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, ShardTensor):
-        raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}")
     mesh = device_mesh if device_mesh is not None else current_mesh()
     if mesh is None:
         raise PlacementError("from_local needs device_mesh= (or an active `with mesh:` block)")
-    placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
+    if placements is None:
+        placements = (Replicate(),) * mesh.ndim
     if isinstance(sharding_shapes, str) and sharding_shapes == "infer":
-        if traced(local_tensor):
+        if isinstance(local_tensor, torch.Tensor) and traced(local_tensor):
             raise PlacementError(
                 'from_local(sharding_shapes="infer") reads the other ranks\' shapes at run time, which '
                 'torch.compile cannot trace; inside a compiled region pass sharding_shapes="chunk" '
                 "(with global_shape=) or a dict of the shards' shapes"
             )
-        # Gather first, validate after: every rank then checks the same facts.
-        shapes = _gather_local_metadata(local_tensor, mesh)
-        placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
-        dim_sizes = _layout.dim_sizes_from_local_shapes(shapes, tuple(mesh.shape), placements)
-    else:
-        _check_device(local_tensor, mesh)
-        placements = _layout.normalize_placements(placements, mesh.ndim, local_tensor.ndim)
-        if isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
-            if global_shape is None:
-                raise PlacementError('sharding_shapes="chunk" needs global_shape=')
-            dim_sizes = _layout.chunk_dim_sizes(tuple(global_shape), tuple(mesh.shape), placements)
-        elif isinstance(sharding_shapes, dict):
-            dim_sizes = _dim_sizes_from_dict(sharding_shapes, local_tensor, mesh, placements)
-        else:
-            raise PlacementError(
-                f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}'
-            )
-    derived = _layout.global_shape_of(local_tensor.shape, placements, dim_sizes)
-    if global_shape is not None and tuple(global_shape) != derived:
-        raise PlacementError(
-            f"global_shape={tuple(global_shape)} does not match the shards, which make {derived}"
-        )
-    spec = ShardTensorSpec.from_sizes(mesh, placements, derived, local_tensor.dtype, dim_sizes)
-    if tuple(local_tensor.shape) != tuple(spec.local_shape):
-        raise PlacementError(
-            f"rank {torch.distributed.get_rank()}: local tensor has shape "
-            f"{tuple(local_tensor.shape)} but the layout gives it {tuple(spec.local_shape)}"
-        )
+        return FromLocal.apply(local_tensor, _inferred_spec(local_tensor, mesh, placements, global_shape))
+    spec, error = _agreement.with_checked_arguments(
+        lambda: _declared_spec(local_tensor, mesh, placements, sharding_shapes, global_shape)
+    )
+    if checks_enabled():  # opt-in: these modes exist to avoid communication
+        mode = "from_local(sharding_shapes={...})" if isinstance(sharding_shapes, dict) else 'from_local(sharding_shapes="chunk")'
+        _agreement.verify(mode, mesh, local_tensor, spec, error)
+    elif error is not None:
+        raise error
     return FromLocal.apply(local_tensor, spec)
 
 
 # --------------------------------------------------------------------------- #
 # from_local helpers
 # --------------------------------------------------------------------------- #
-def _check_device(local: torch.Tensor, mesh: DeviceMesh) -> None:
+def _check_local(local, mesh: DeviceMesh) -> None:
+    if not isinstance(local, torch.Tensor) or isinstance(local, ShardTensor):
+        raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local).__name__}")
+    if local.ndim > _agreement.MAX_NDIM:
+        raise PlacementError(f"tensors with more than {_agreement.MAX_NDIM} dims are not supported")
     if local.device.type != mesh.device_type:
         raise PlacementError(
             f"local_tensor is on {local.device} but the device mesh is of type "
@@ -402,34 +409,52 @@ def _check_device(local: torch.Tensor, mesh: DeviceMesh) -> None:
         )
 
 
-def _gather_local_metadata(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, ...]]:
-    """Every rank's local shape, after checking that ranks, dtypes and devices agree.
+def _inferred_spec(local, mesh: DeviceMesh, placements, global_shape) -> ShardTensorSpec:
+    """The spec of ``sharding_shapes="infer"``: one all-gather of every rank's arguments, then validation.
 
-    One small all-gather of ints; the checks run on the gathered table, so
-    every rank raises the same ``PlacementError``.
+    Each rank's row carries its local shape and everything else that must
+    agree (ndim, dtype, placements as passed, ``global_shape=``, whether its
+    own arguments were valid). Nothing is raised before the exchange; after it
+    every rank validates the same table, so a mistake made on one rank (other
+    placements, a shard dim out of range there) raises the same error on all.
     """
-    if local.ndim > _MAX_NDIM:
-        raise PlacementError(f"tensors with more than {_MAX_NDIM} dims are not supported")
-    code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)
-    on_mesh_device = int(local.device.type == mesh.device_type)
-    row = [local.ndim, code, on_mesh_device, *local.shape, *([0] * (_MAX_NDIM - local.ndim))]
-    table = collectives.gather_ints(row, mesh)
-    if not all(r[2] for r in table):
+    _, error = _agreement.with_checked_arguments(lambda: _check_local(local, mesh))
+    row = _agreement.row(
+        'from_local(sharding_shapes="infer")', error, mesh, local=local, placements=placements, global_shape=global_shape
+    )
+    table = _agreement.exchange(row, error, mesh, "from_local")
+    _agreement.same_tensor_kind(table)
+    placements = _agreement.same_placements(table, mesh.ndim, local.ndim)
+    dim_sizes = _layout.dim_sizes_from_local_shapes([f.shape for f in table], tuple(mesh.shape), placements)
+    derived = _layout.global_shape_of(local.shape, placements, dim_sizes)
+    _agreement.global_shape_matches(table, derived, "from_local", f"the shards, which make {derived}")
+    return ShardTensorSpec.from_sizes(mesh, placements, derived, local.dtype, dim_sizes)
+
+
+def _declared_spec(local, mesh: DeviceMesh, placements, sharding_shapes, global_shape) -> ShardTensorSpec:
+    """The spec of ``sharding_shapes="chunk"`` or a dict, from this rank's arguments alone (no communication)."""
+    _check_local(local, mesh)
+    placements = _layout.normalize_placements(placements, mesh.ndim, local.ndim)
+    if isinstance(sharding_shapes, str) and sharding_shapes == "chunk":
+        if global_shape is None:
+            raise PlacementError('sharding_shapes="chunk" needs global_shape=')
+        dim_sizes = _layout.chunk_dim_sizes(tuple(global_shape), tuple(mesh.shape), placements)
+    elif isinstance(sharding_shapes, dict):
+        dim_sizes = _dim_sizes_from_dict(sharding_shapes, local, mesh, placements)
+    else:
+        raise PlacementError(f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}')
+    derived = _layout.global_shape_of(local.shape, placements, dim_sizes)
+    if global_shape is not None and tuple(global_shape) != derived:
         raise PlacementError(
-            f"some ranks' local tensors are not on the mesh's device type {mesh.device_type!r}; "
-            "move them there first"
+            f"global_shape={tuple(global_shape)} does not match the shards, which make {derived}"
         )
-    ndims = {r[0] for r in table}
-    if len(ndims) != 1:
+    spec = ShardTensorSpec.from_sizes(mesh, placements, derived, local.dtype, dim_sizes)
+    if tuple(local.shape) != tuple(spec.local_shape):
         raise PlacementError(
-            "ranks passed local tensors with different numbers of dims "
-            f"({sorted(ndims)}); every rank must pass a tensor of the same rank"
+            f"rank {torch.distributed.get_rank()}: local tensor has shape "
+            f"{tuple(local.shape)} but the layout gives it {tuple(spec.local_shape)}"
         )
-    codes = {r[1] for r in table}
-    if len(codes) != 1:
-        names = sorted(str(_DTYPES[c]) if c < len(_DTYPES) else "other" for c in codes)
-        raise PlacementError(f"ranks passed local tensors of different dtypes ({names}); cast them to one dtype")
-    return [tuple(r[3 : 3 + r[0]]) for r in table]
+    return spec
 
 
 def _dim_sizes_from_dict(shapes_by_mesh_dim: dict, local, mesh, placements) -> tuple:

@@ -158,9 +158,23 @@ def _kernel_parts(tile: Tile) -> list[tuple[Tile, bool]]:
     return parts
 
 
+def _kernel_memory(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dim: the one memory layout the fused CPU kernel cannot do without.
+
+    The kernel reads each row of ``E`` values as consecutive memory whatever
+    ``t.stride(-1)`` says: a transposed, expanded (stride 0) or otherwise
+    strided last dim gives garbage (errors of 1e4..1e276, or NaN), silently.
+    ``F.scaled_dot_product_attention`` checks this before it picks the kernel
+    (and falls back to the math path); calling the kernel directly skips
+    that check, so every tensor handed to it passes here. Any other strides,
+    gaps and storage offsets are read correctly, so only this case copies.
+    """
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _flat(t: torch.Tensor, batch) -> torch.Tensor:
-    """Grouped ``(..., n, E)`` broadcast to ``batch`` as the kernel's ``(N, 1, n, E)``."""
-    return t.expand(*batch, *t.shape[-2:]).reshape(-1, 1, *t.shape[-2:])
+    """Grouped ``(..., n, E)`` broadcast to ``batch`` as the kernel's ``(N, 1, n, E)``, in memory it reads right."""
+    return _kernel_memory(t.expand(*batch, *t.shape[-2:]).reshape(-1, 1, *t.shape[-2:]))
 
 
 def attend(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, out, lse) -> None:
@@ -209,7 +223,7 @@ def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile]
                 grads = fused_cpu_attention_backward(
                     _flat(dout[..., rows, :], batch), _flat(qt, batch), _flat(kt.to(qt.dtype), batch),
                     _flat(vt.to(qt.dtype), batch), _flat(out[..., rows, :], batch),
-                    lse[..., rows].expand(*batch, part.q_len).reshape(-1, 1, part.q_len), causal, scale,
+                    _kernel_memory(lse[..., rows].expand(*batch, part.q_len).reshape(-1, 1, part.q_len)), causal, scale,
                 )  # fmt: skip
                 gq, gk, gv = (g.reshape(*batch, *g.shape[-2:]) for g in grads)
             else:

@@ -124,10 +124,11 @@ def _move(local, dim, src_spans, dst_spans, mesh, mesh_dim):
     placed, at = [], 0
     for pieces in incoming:
         for _, k, b in pieces:
-            placed.append((b, received.narrow(0, at, k)))
+            placed.append((b, received.narrow(0, at, k).movedim(0, dim)))
             at += k
     placed.sort(key=lambda item: item[0])
-    return torch.cat([t for _, t in placed] or [rows[:0]]).movedim(0, dim)
+    # concatenated along ``dim`` itself, so the one copy writes a contiguous local tensor
+    return torch.cat([t for _, t in placed] or [local.narrow(dim, 0, 0)], dim=dim)
 
 
 class _Reorder(Function):

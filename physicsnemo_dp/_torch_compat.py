@@ -39,8 +39,10 @@ __all__ = [
     "dynamo_frame_hook_active",
     "aot_cache_bypass",
     "pad_builtin",
+    "assert_in_graph",
     "fused_cpu_attention",
     "fused_cpu_attention_backward",
+    "default_store",
 ]
 
 
@@ -276,6 +278,16 @@ def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(table.tolist(), dtype=table.dtype, device=like.device).reshape(table.shape)
 
 
+def assert_in_graph(condition: torch.Tensor, message: str) -> None:
+    """Check a 0-dim bool tensor inside the traced graph; a False value raises ``RuntimeError(message)`` at run time.
+
+    Rules check data (index ranges) eagerly with Python comparisons; while
+    torch.compile traces, those values do not exist yet, and reading them
+    fails ("data-dependent expression"). This records the check as a graph op.
+    """
+    torch._assert_async(condition, message)
+
+
 #: The builtin behind ``F.pad``. Dynamo inlines the Python ``F.pad`` and records
 #: this call instead, so a ``F.pad`` handler must be registered for it too.
 pad_builtin = torch._C._nn.pad
@@ -350,3 +362,14 @@ def _pinned_to_backward():
         yield
     finally:
         meta["partitioner_tag"] = "is_backward"
+
+
+def default_store():
+    """The key-value store of the default process group (torchrun's TCPStore, a FileStore, ...).
+
+    A training loop's stall watchdog publishes each rank's progress there: it
+    is the one store every rank of any launcher already shares.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()

@@ -9,7 +9,7 @@ in ``__all__``. See ``README.md`` next to this file for the whole flow.
 """
 
 from .capabilities import CapabilityError, ModelCapabilities, query_capabilities
-from .checkpointing import is_checkpointed
+from .activation_checkpointing import is_checkpointed
 from .config import ActivationCheckpointing, DDPConfig, FSDP2Config, MixedPrecisionPolicy, Trainability
 from .mesh_context import AXES, MeshContext
 from .parallelizer import ModelParallelizer, find_blocks, parallelize_model

@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..sync import sync_module_over_mesh
 from .capabilities import check_capabilities
-from .checkpointing import apply_checkpointing
+from .activation_checkpointing import apply_checkpointing
 from .config import DDPConfig, FSDP2Config
 from .mesh_context import MeshContext
 from .precision import cast_frozen_state, fp32_pins, pinned_owners, pinned_policy

@@ -140,7 +140,7 @@ def _param_grad(t, meta, stats: _Stats):
     shape, dtype = meta
     offset = t.ndim - len(stats.param_shape)
     dims = [d for d in range(t.ndim) if d < offset or stats.param_shape[d - offset] == 1]
-    local = t.sum(dims, keepdim=True)
+    local = t.sum(dims, keepdim=True) if dims else t  # sum over [] would reduce every dim
     local = local.reshape(local.shape[offset:] if stats.trailing_params else (-1,))
     placements, tables = [], [None] * len(shape)
     for m, p in enumerate(stats.spec.placements):

@@ -22,7 +22,7 @@ from physicsnemo_dp.distributed import (
     is_checkpointed,
     query_capabilities,
 )
-from physicsnemo_dp.distributed.checkpointing import apply_checkpointing
+from physicsnemo_dp.distributed.activation_checkpointing import apply_checkpointing
 from physicsnemo_dp.distributed.config import resolve_strategy
 from physicsnemo_dp.distributed.mesh_context import resolve_sizes
 from physicsnemo_dp.distributed.precision import cast_frozen_state, fp32_pins, pinned_owners, pinned_policy

@@ -22,7 +22,8 @@ __all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "p
 class TensorPromotionMode(enum.Enum):
     """How a plain tensor meeting a ShardTensor is handled."""
 
-    #: No promotion: a non-scalar plain tensor meeting sharded data raises.
+    #: No promotion: a plain tensor meeting sharded data raises, unless it is a
+    #: 0-dim tensor without grad (a scalar; a scalar parameter's gradient needs promotion).
     DISABLED = "disabled"
     #: Promote to Replicate and warn on every promotion (to find where it happens).
     WARN = "warn"

@@ -9,9 +9,9 @@ Order for every call that involves a ShardTensor:
 
 1. a function handler registered by the user for ``func`` (or its custom-op
    name), then the library's own (``rules.FUNCTIONS``);
-2. otherwise, if plain non-scalar tensors or DTensors are mixed in, promote
-   them and call ``func`` again with subclass torch-function disabled, which
-   sends it to ``__torch_dispatch__``;
+2. otherwise, if plain tensors (other than 0-dim ones without grad) or
+   DTensors are mixed in, promote them and call ``func`` again with subclass
+   torch-function disabled, which sends it to ``__torch_dispatch__``;
 3. otherwise call ``func`` directly (same as 2 without promotion).
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from .. import promotion
@@ -56,13 +57,20 @@ def _shard_tensor_cls():
 
 
 def _is_dtensor(x) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 
 def _needs_promotion(x, ShardTensor) -> bool:
-    return isinstance(x, torch.Tensor) and not isinstance(x, ShardTensor) and (x.ndim > 0 or _is_dtensor(x))
+    """Plain tensors and DTensors, except plain 0-dim tensors that need no gradient (scalars).
+
+    A 0-dim DTensor left as it is reaches DTensor's dispatch, which refuses the
+    ShardTensor beside it; a 0-dim plain tensor that requires grad (a scalar
+    parameter) would get the unreduced, per-rank gradient as a ShardTensor.
+    """
+    return (
+        isinstance(x, torch.Tensor) and not isinstance(x, ShardTensor)
+        and (x.ndim > 0 or x.requires_grad or _is_dtensor(x))
+    )
 
 
 class Promote(Function):
@@ -94,8 +102,9 @@ class Promote(Function):
 def _needs_no_promotion(args, kwargs, ShardTensor) -> bool:
     """Fast check for the common call: tensors at top level, all ShardTensors on one mesh object.
 
-    Anything else (containers, plain non-scalar tensors, DTensors, several mesh
-    objects) takes the general path of :func:`promote_args`.
+    Anything else (containers, plain tensors other than scalars without grad,
+    DTensors of any ndim, several mesh objects) takes the general path of
+    :func:`promote_args`.
     """
     mesh = None
     for a in (*args, *kwargs.values()):
@@ -105,7 +114,7 @@ def _needs_no_promotion(args, kwargs, ShardTensor) -> bool:
             elif a._spec.mesh is not mesh:
                 return False
         elif isinstance(a, torch.Tensor):
-            if a.ndim > 0:
+            if a.ndim > 0 or a.requires_grad or _is_dtensor(a):
                 return False
         elif isinstance(a, (list, tuple, dict)):
             return False

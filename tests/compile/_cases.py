@@ -117,6 +117,21 @@ def _pool(mesh):
     ]
 
 
+def _indexing(mesh):
+    """Reads with tensor indices; the sharded dims are indexed (a pending-sum output) or carried along."""
+    x = (_g(7, 5, 3), _sharded(mesh, 0, 1))
+    rows = (torch.tensor([6, 0, 2, 2, 5]), None)  # a repeated row: gradients accumulate
+    where = (torch.randint(0, 7, (7, 5, 3), generator=torch.Generator().manual_seed(3)), None)
+    return [
+        Case("index_select along sharded dims", lambda x, i: torch.index_select(x, 0, i) * 2, [x, rows]),
+        Case("index_select along a local dim", lambda x, i: x.index_select(2, i % 3) + 1, [x, rows]),
+        Case("getitem/index with tensor indices", lambda x, i: (x[i] * 2, x[:, i % 5] + 1), [x, rows]),
+        # kept linear: gather(...).tanh() hangs in Inductor's backward on the rank with the empty shard
+        # (an extra collective there; not the range check), an open compile-protocol issue
+        Case("gather along sharded dims", lambda x, i: torch.gather(x, 0, i) * 2, [x, where]),
+    ]
+
+
 class SmallCNN(nn.Module):
     """Conv -> GroupNorm -> GELU -> strided Conv -> BatchNorm -> ReLU -> Conv, on a sharded grid."""
 
@@ -179,6 +194,7 @@ FAMILIES: dict[str, Callable] = {
     "batch_group_norm": _norms,
     "conv": _conv,
     "pool_interp_pad": _pool,
+    "indexing": _indexing,
     "attention": _attention,
     "mlp": _mlp,
     "cnn": _cnn,

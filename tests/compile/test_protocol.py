@@ -162,3 +162,18 @@ def test_collectives_are_counted_when_traced_not_when_run(ctx):
         f(x)
     assert first.total_calls > 0 and second.total_calls == 0
     torch._dynamo.reset()
+
+
+@distributed(world_sizes=(3,), mesh_2d=False, timeout=300)
+def test_index_range_check_runs_inside_compiled_code(ctx):
+    """Reads along a sharded dim map foreign indices to "not owned", so their range check must survive
+    tracing (as a graph op: a data-dependent Python int would fail to compile) to stay no silent zero."""
+    torch._dynamo.reset()
+    x = shard_from_global(_g(*SHAPE), make_spec(ctx.mesh, (Shard(0),), SHAPE))
+    f = torch.compile(lambda x, i: torch.index_select(x, 0, i) * 2, backend="aot_eager", fullgraph=True)
+    good = torch.tensor([6, 0, 2])
+    assert torch.equal(f(x, good).full_tensor(), _g(*SHAPE)[good] * 2)
+    for bad in (torch.tensor([6, 7, 0]), torch.tensor([0, -1, 2])):  # index_select takes no negatives
+        with pytest.raises(RuntimeError, match=r"out of bounds for dim 0 with size 7 \(valid: \[0, 6\]\)"):
+            f(x, bad)
+    torch._dynamo.reset()

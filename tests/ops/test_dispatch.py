@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from physicsnemo_dp import (
     PlacementError,
@@ -226,17 +226,18 @@ def test_promoted_parameter_gets_the_single_process_gradient_as_a_plain_tensor(c
     mesh = ctx.mesh
     w = torch.nn.Parameter(_g((3,), 1))
     bias = torch.nn.Parameter(_g((5, 1), 2))
-    w_ref, b_ref = (torch.nn.Parameter(t.detach().clone()) for t in (w, bias))
+    scale = torch.nn.Parameter(_g((), 4))  # 0-dim: its gradient used to stay a per-rank Partial ShardTensor
+    w_ref, b_ref, s_ref = (torch.nn.Parameter(t.detach().clone()) for t in (w, bias, scale))
     G, W = _g(), _g(seed=3)
     for placements in ((Shard(0),) * mesh.ndim, (Shard(1), Replicate())[: mesh.ndim], (Replicate(),) * mesh.ndim):
-        w.grad = bias.grad = w_ref.grad = b_ref.grad = None
+        w.grad = bias.grad = scale.grad = w_ref.grad = b_ref.grad = s_ref.grad = None
         spec = make_spec(mesh, placements, SHAPE)
         x = shard_from_global(G, spec, requires_grad=True)
-        y = torch.tanh(x * w + bias)
+        y = torch.tanh(x * w * scale + bias)
         torch.autograd.backward([y], [shard_from_global(W, y._spec)])
         ref = G.clone().requires_grad_(True)
-        torch.autograd.backward([torch.tanh(ref * w_ref + b_ref)], [W])
-        for p, r in ((w, w_ref), (bias, b_ref)):
+        torch.autograd.backward([torch.tanh(ref * w_ref * s_ref + b_ref)], [W])
+        for p, r in ((w, w_ref), (bias, b_ref), (scale, s_ref)):
             assert type(p.grad) is torch.Tensor, placements
             assert torch.allclose(p.grad, r.grad, rtol=1e-10, atol=1e-10), placements
         assert torch.allclose(x.grad.full_tensor(), ref.grad, rtol=1e-10, atol=1e-10)
@@ -276,6 +277,36 @@ def test_dtensor_arguments_are_converted(ctx):
     assert isinstance(dt.grad, DTensor)
     assert torch.allclose(dt.grad.full_tensor(), _g())
     assert torch.allclose(x.grad.full_tensor(), _g(seed=1))
+
+
+def _dtensor_operand(mesh, kind, rank):
+    """A DTensor leaf of value ``w`` (0-dim ``w = 0.75``, or ``w`` of shape ``SHAPE[-1:]``) in layout ``kind``."""
+    if kind == "partial0":  # 0-dim, every rank a different contribution summing to 0.75
+        contribution = torch.tensor(0.75 * (rank + 1) / (mesh.size() * (mesh.size() + 1) / 2), dtype=torch.float64)
+        w = DTensor.from_local(contribution, mesh, [Partial()] * mesh.ndim, run_check=False)
+        return w.requires_grad_(True), torch.tensor(0.75, dtype=torch.float64)
+    value = torch.tensor(0.75, dtype=torch.float64) if kind == "replicate0" else _g(SHAPE[-1:], seed=2)
+    placements = [Shard(0) if kind == "shard1" else Replicate()] + [Replicate()] * (mesh.ndim - 1)
+    return distribute_tensor(value, mesh, placements).requires_grad_(True), value
+
+
+@pytest.mark.parametrize("kind", ["replicate0", "partial0", "shard1"])
+@distributed(world_sizes=(1, 3), mesh_2d=True)
+def test_dtensor_arguments_of_any_ndim_are_converted(ctx, kind):
+    """A 0-dim DTensor used to slip past promotion as a "scalar" and reach DTensor's dispatch."""
+    x = _sharded(ctx.mesh, requires_grad=True)
+    dt, value = _dtensor_operand(ctx.mesh, kind, ctx.mesh.get_rank())
+    f = torch.sigmoid if kind == "replicate0" else (lambda t: t)  # sigmoid: 0-dim output of an op on a DTensor
+    ref_leaf = value.clone().requires_grad_(True)
+    (_g() * f(ref_leaf)).sum().backward()
+    w = f(dt)
+    for y in (x * w, w * x):
+        assert isinstance(y, ShardTensor) and not isinstance(y, DTensor)
+        assert torch.allclose(y.full_tensor(), _g() * f(value))
+    (x * w).sum().backward()
+    assert isinstance(dt.grad, DTensor)
+    assert torch.allclose(dt.grad.full_tensor(), ref_leaf.grad)
+    assert torch.allclose(x.grad.full_tensor(), f(value).detach().expand(SHAPE))
 
 
 # --------------------------------------------------------------------------- #

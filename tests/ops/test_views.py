@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from physicsnemo_dp import ShardTensorSpec, count_collectives
+from physicsnemo_dp import PlacementError, ShardTensor, ShardTensorSpec, count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global, uneven_table
@@ -192,3 +192,83 @@ def test_reshape_that_cannot_keep_the_shard_moves_it_with_one_all_to_all(ctx):
         y = x.view(4, 3)
     assert set(counter.calls) <= {"all_to_all"} and y.placements == (Shard(0),)
     assert torch.equal(y.full_tensor(), _g((12,)).view(4, 3))
+
+
+# --------------------------------------------------------------------------- #
+# view(dtype): each shard reinterpreted on its own
+# --------------------------------------------------------------------------- #
+def _bits(dtype):
+    """An integer dtype to compare through, bit-exact (NaN patterns too): same size, or bytes for 2-byte
+    dtypes (gloo has no int16 collectives, and full_tensor gathers)."""
+    return {1: torch.uint8, 2: torch.uint8, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+
+
+def _typed(shape, dtype, seed=0):
+    if dtype.is_floating_point or dtype.is_complex:
+        return _g(shape, seed).to(dtype)
+    return torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+#: (input dtype, view dtype): same size, narrower elements (last dim grows), wider ones (last dim shrinks)
+SAME_OR_NARROWER = [
+    (torch.float32, torch.int32), (torch.int32, torch.float32), (torch.float32, torch.float16),
+    (torch.float32, torch.uint8), (torch.complex64, torch.float32),
+]
+WIDER = [(torch.int32, torch.float32), (torch.float16, torch.float32), (torch.uint8, torch.float32),
+         (torch.float32, torch.complex64)]
+
+
+@distributed
+def test_view_dtype_reinterprets_every_shard(ctx):
+    for src, dst in SAME_OR_NARROWER:  # every layout, the last dim sharded unevenly too (with empty shards)
+        for placements in layouts(ctx.mesh, 3, partial=src.is_floating_point):
+            check(lambda x: x.view(dst).view(_bits(dst)), [(_typed((7, 5, 3), src), placements)], ctx.mesh,
+                  grad=False, label=f"view({src}->{dst})")
+    for src, dst in WIDER:  # the last dim not sharded: its size shrinks on every rank alike
+        for placements in layouts(ctx.mesh, 3, dims=(0, 1), partial=src.is_floating_point):
+            check(lambda x: x.view(dst).view(_bits(dst)), [(_typed((7, 5, 8), src), placements)], ctx.mesh,
+                  grad=False, label=f"view({src}->{dst})")
+
+
+@distributed
+def test_view_dtype_of_a_sharded_last_dim_needs_whole_wide_elements(ctx):
+    mesh = ctx.mesh
+    g = _typed((3, 4 * mesh.size()), torch.uint8)
+    # shard sizes that are multiples of 4 (one empty): viewed as float32 they shrink by 4, no communication
+    sizes = tuple(4 * s for s in uneven_table(mesh.size(), mesh.size(), salt=1))
+    spec = ShardTensorSpec.from_sizes(mesh, [Shard(1)] * mesh.ndim, tuple(g.shape), torch.uint8, (None, sizes))
+    x = shard_from_global(g, spec)
+    with count_collectives() as counter:
+        y = x.view(torch.float32)
+    assert counter.total_calls == 0
+    assert y.placements == x.placements and y._spec.dim_sizes == (None, tuple(s // 4 for s in sizes))
+    assert torch.equal(y.full_tensor().view(torch.int32), g.view(torch.int32))
+    # shard sizes that are not: the same PlacementError on every rank (decided by the spec alone)
+    if mesh.size() > 1:
+        odd = (2,) + (0,) * (mesh.size() - 2) + (4 * mesh.size() - 2,)
+        odd = ShardTensorSpec.from_sizes(mesh, [Shard(1)] * mesh.ndim, tuple(g.shape), torch.uint8, (None, odd))
+        with pytest.raises(PlacementError, match=r"view\(dtype=torch.float32\).*multiple of 4"):
+            shard_from_global(g, odd).view(torch.float32)
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=False)
+def test_view_dtype_of_strided_local_memory(ctx):
+    """A local piece whose memory torch cannot view as another element size (column-major) is copied, not refused."""
+    g = _typed((6, 4), torch.float16)
+    spec = make_spec(ctx.mesh, [Shard(0)], (6, 4), dtype=torch.float16)
+    x = shard_from_global(g, spec)
+    column_major = ShardTensor(x._local_tensor.t().contiguous().t(), spec, requires_grad=False)
+    for dst in (torch.float32, torch.uint8):
+        y = column_major.view(dst)
+        assert torch.equal(y.full_tensor().view(_bits(dst)), g.view(dst).view(_bits(dst)))
+
+
+@distributed(world_sizes=(1, 2), mesh_2d=False)
+def test_view_dtype_keeps_torchs_own_errors(ctx):
+    x = shard_from_global(_typed((4, 3), torch.float16), make_spec(ctx.mesh, [Shard(0)], (4, 3), dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="divisible by 2"):
+        x.view(torch.float32)  # 3 half elements do not make whole floats: torch's message
+    s = shard_from_global(_g(()).float(), make_spec(ctx.mesh, [Replicate()], (), dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="cannot be 0"):
+        s.view(torch.float16)
+    assert torch.equal(s.view(torch.int32).full_tensor(), _g(()).float().view(torch.int32))

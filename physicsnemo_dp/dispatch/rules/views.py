@@ -22,7 +22,13 @@ Communication, per op:
 * ``expand``: none; a Replicate tensor stays a stride-0 view. Expanding a
   sharded size-1 dim first moves its shard elsewhere like ``squeeze``.
 
+* ``view(dtype)``: none; each shard is reinterpreted on its own. Different
+  element sizes scale the last dim, so a sharded last dim needs every shard's
+  extent to divide into whole elements of the wider dtype (else PlacementError).
+
 Pending reductions (``Partial``) pass through all of them: views are linear.
+``view(dtype)`` is the exception: the bits of a sum are not the sum of the
+bits, so a Partial input is reduced first (one all-reduce).
 ``as_strided`` is refused with an error: strides of the global tensor do not
 describe any rank's local memory.
 """
@@ -34,7 +40,8 @@ from torch.distributed.tensor.placement_types import Shard
 
 from ..._redistribute import redistribute_local
 from ..._reshape import compatible_layout, output_layout
-from ._common import normalize_dim, unshard_dims, wrap
+from ...errors import PlacementError
+from ._common import normalize_dim, resolve_partial, unshard_dims, wrap
 
 aten = torch.ops.aten
 
@@ -104,6 +111,62 @@ def _view(func, args, kwargs):
     x, size = args[0], args[1]
     out_shape = tuple(func(meta_like(x), size).shape)
     return wrap(*reshape_local(x, out_shape))
+
+
+# --------------------------------------------------------------------------- #
+# view(dtype)
+# --------------------------------------------------------------------------- #
+def _dim_sizes_as(spec, dtype, old_size: int, new_size: int):
+    """Size tables after viewing ``spec``'s elements as ``dtype``: only the last dim's scale.
+
+    Only metadata every rank holds decides, so a refusal is the same on every rank.
+    """
+    if old_size == new_size or spec.dim_sizes[-1] is None:
+        return spec.dim_sizes
+    table = spec.dim_sizes[-1]
+    if old_size > new_size:
+        return spec.dim_sizes[:-1] + (tuple(n * (old_size // new_size) for n in table),)
+    ratio = new_size // old_size
+    if any(n % ratio for n in table):
+        raise PlacementError(
+            f"view(dtype={dtype}) packs {ratio} {spec.tensor_meta.dtype} elements into one along the "
+            f"last dim, which is sharded with shard sizes {list(table)}: each must be a multiple of "
+            f"{ratio}. Redistribute first (x.redistribute(placements=...)) so that the last dim is "
+            f"not sharded or is split in multiples of {ratio}."
+        )
+    return spec.dim_sizes[:-1] + (tuple(n // ratio for n in table),)
+
+
+def _reinterpretable(local, dtype, old_size: int, new_size: int) -> bool:
+    """Whether this rank's memory allows ``local.view(dtype)`` (torch's own conditions).
+
+    The global tensor is contiguous, but a local piece can be a strided view
+    (after a transpose or a slice) or an empty shard whose strides torch refuses,
+    so this differs between ranks and must not decide anything visible.
+    """
+    if old_size == new_size:
+        return True
+    if local.numel() == 0 or local.stride(-1) != 1:
+        return False
+    ratio = new_size // old_size
+    return new_size < old_size or (
+        local.storage_offset() % ratio == 0 and all(s % ratio == 0 for s in local.stride()[:-1])
+    )
+
+
+def _view_dtype(func, args, kwargs):
+    x, dtype = args
+    out_shape = tuple(func(meta_like(x), dtype).shape)  # torch's own checks and messages
+    old_size, new_size = x._spec.tensor_meta.dtype.itemsize, dtype.itemsize
+    tables = _dim_sizes_as(x._spec, dtype, old_size, new_size)
+    local, spec = resolve_partial(x) if dtype != x._spec.tensor_meta.dtype else (x._local_tensor, x._spec)
+    out_spec = type(spec).from_sizes(spec.mesh, spec.placements, out_shape, dtype, tables)
+    if _reinterpretable(local, dtype, old_size, new_size):
+        return wrap(func(local, dtype), out_spec)
+    if local.numel() == 0:
+        return wrap(local.new_empty(tuple(out_spec.local_shape), dtype=dtype), out_spec)
+    # Like reshape: a copy where this rank's memory cannot be viewed, an alias elsewhere.
+    return wrap(func(local.clone(memory_format=torch.contiguous_format), dtype), out_spec)
 
 
 # --------------------------------------------------------------------------- #
@@ -207,6 +270,7 @@ def _as_strided(func, args, kwargs):
 RULES: dict = {
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
+    aten.view.dtype: _view_dtype,
     aten.permute.default: _permute,
     aten.transpose.int: _transpose,
     aten.t.default: _transpose,

@@ -40,6 +40,8 @@ Other families:
 
 Out-of-range indices raise ``IndexError`` like torch; where the index is
 sharded the check is local, so only the ranks holding a bad index raise.
+Under ``torch.compile`` the same check is an op of the graph (the indices are
+not known while tracing) and raises ``RuntimeError`` with the valid range.
 
 Not supported (``NotImplementedError`` naming the way out): several boolean
 masks in one index, or a mask mixed with integer index tensors (convert the

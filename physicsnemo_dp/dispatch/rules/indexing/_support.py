@@ -16,6 +16,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .... import _layout, collectives
 from ...._redistribute import redistribute_local, target_layout
+from ...._torch_compat import assert_in_graph, traced
 from .._common import shard_tensor_cls, to_layout, wrap
 
 SUM = Partial("sum")
@@ -104,10 +105,20 @@ def without_partial(spec):
 
 
 def check_range(values: torch.Tensor, size: int, allow_negative: bool, op: str, dim: int) -> None:
-    """Raise ``IndexError`` like torch for indices outside dim ``dim`` of extent ``size``."""
+    """Raise ``IndexError`` like torch for indices outside dim ``dim`` of extent ``size``.
+
+    While torch.compile traces, the indices are not known yet: the check becomes
+    an op of the graph instead (a ``RuntimeError`` with the valid range when the
+    compiled code runs), never a read of the data into Python.
+    """
     if values.numel() == 0:
         return
     lo = -size if allow_negative else 0
+    if traced(values):
+        in_range = ((values >= lo) & (values < size)).all()
+        assert_in_graph(in_range, f"{op}: an index is out of bounds for dim {dim} with size {size} "
+                                  f"(valid: [{lo}, {size - 1}])")
+        return
     vmin, vmax = int(values.min()), int(values.max())
     if vmin < lo or vmax >= size:
         bad = vmin if vmin < lo else vmax

@@ -139,7 +139,10 @@ def _param_grad(t, meta, stats: _Stats):
         return None
     shape, dtype = meta
     offset = t.ndim - len(stats.param_shape)
-    dims = [d for d in range(t.ndim) if d < offset or stats.param_shape[d - offset] == 1]
+    # layer_norm's parameters are x's trailing dims themselves (a size-1 one included, which
+    # may be sharded with empty shards): only the others' size-1 dims are broadcast dims.
+    dims = [d for d in range(t.ndim)
+            if d < offset or (not stats.trailing_params and stats.param_shape[d - offset] == 1)]
     local = t.sum(dims, keepdim=True) if dims else t  # sum over [] would reduce every dim
     local = local.reshape(local.shape[offset:] if stats.trailing_params else (-1,))
     placements, tables = [], [None] * len(shape)

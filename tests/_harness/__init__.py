@@ -31,7 +31,25 @@ import torch
 from .pool import DEFAULT_TIMEOUT, RankFailure, STARTUP_TIMEOUT, close_all, get_pool
 from .worker import Context, Job
 
-__all__ = ["Context", "RankFailure", "close_all", "distributed", "get_pool"]
+__all__ = ["Context", "RankFailure", "close_all", "distributed", "get_pool", "run_job"]
+
+
+def run_job(world_size, mesh_shape, module, name, params, *, timeout=DEFAULT_TIMEOUT):
+    """Run ``module.name(ctx, **params)`` on every rank of the ``world_size`` pool; return the outcomes.
+
+    For tests that decide *in the test process* what to run, one job at a time
+    (property tests: Hypothesis draws a case, the ranks run it). A failure raises
+    ``AssertionError`` with the harness's report (not ``pytest.fail``: callers
+    such as Hypothesis must see an ordinary exception to shrink it).
+    """
+    pool = get_pool(world_size)
+    if pool.backend == "nccl" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    try:
+        return pool.run(Job(module, name, params, tuple(mesh_shape)), timeout=timeout)
+    except RankFailure as failure:
+        report = str(failure)
+    raise AssertionError(report)  # outside the except block: the report is the whole message
 
 def distributed(body=None, *, world_sizes=(1, 2, 3, 4), mesh_2d=True, timeout=DEFAULT_TIMEOUT):
     """Make ``body(ctx, ...)`` a pytest test that runs on every rank of each layout.

@@ -75,7 +75,7 @@ def shard(global_tensor: torch.Tensor, mesh, dim: int, sizes: tuple[int, ...] | 
         tables = tuple(tuple(sizes) if d == dim else None for d in range(len(shape)))
         spec = ShardTensorSpec.from_sizes(mesh, placements, shape, global_tensor.dtype, tables)
     box = tuple(slice(o, o + n) for o, n in zip(spec.local_offsets(), spec.local_shape))
-    return ShardTensor(global_tensor[box].clone(), spec, requires_grad=False)
+    return ShardTensor.from_spec(global_tensor[box].clone(), spec)
 
 
 def uneven_sizes(total: int, parts: int) -> tuple[int, ...]:
@@ -130,7 +130,7 @@ def mlp_pair(mesh, tokens: int, dim: int) -> dict[str, tuple[nn.Module, torch.Te
     torch.manual_seed(0)
     net = mlp(dim).to(device)
     x = shard(global_input((tokens * mesh.size(), dim)).to(device), mesh, 0)
-    dx = DTensor.from_local(x._local_tensor, mesh, [Shard(0)], shape=tuple(x.shape), stride=(dim, 1))
+    dx = DTensor.from_local(x.to_local(), mesh, [Shard(0)], shape=tuple(x.shape), stride=(dim, 1))
     return {"ShardTensor": (net, x), "DTensor": (distribute_module(copy.deepcopy(net), mesh), dx)}
 
 

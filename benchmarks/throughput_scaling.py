@@ -91,7 +91,7 @@ def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int,
 def _halo_vs_interior(net: nn.Module, x, P: int) -> Result:
     interior = []
     hooks = [
-        m.register_forward_pre_hook(lambda m, a: interior.append(a[0]._local_tensor.nbytes))
+        m.register_forward_pre_hook(lambda m, a: interior.append(a[0].to_local().nbytes))
         for m in net.modules() if isinstance(m, nn.Conv2d)
     ]  # fmt: skip
     try:

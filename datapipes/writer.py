@@ -56,7 +56,7 @@ def write_shards(path, tensors: Mapping[str, ShardTensor], *,
             with atomic_path(part) as tmp, h5py.File(tmp, "w") as f:
                 for name, t in mine.items():
                     f.create_dataset(name, data=t.to_local().detach().cpu().numpy())
-                    f[name].attrs["offsets"] = t._spec.local_offsets()
+                    f[name].attrs["offsets"] = t.spec.local_offsets()
     except Exception as err:
         error = err
     failed = _agree(error is not None, mesh, me)
@@ -109,7 +109,7 @@ def _write_virtual(path: Path, parts: Path, tensors: Mapping[str, ShardTensor], 
     with atomic_path(path) as tmp, h5py.File(tmp, "w", libver="latest") as f:
         sizes: dict[str, int] = {}
         for name, t in tensors.items():
-            spec = t._spec
+            spec = t.spec
             layout = h5py.VirtualLayout(shape=tuple(t.shape), dtype=_numpy_dtype(t.dtype))
             for coord in np.ndindex(*mesh_shape):
                 shape = spec.local_shape_at(coord)

@@ -611,7 +611,7 @@ def plot_points(path: Path, points, panels: dict, owner, title: str, same_scale=
 
     Panels named in ``same_scale`` share one colour scale.
     """
-    from physicsnemo_dp.viz import plot_point_partition
+    from physicsnemo_dp.debug.viz import plot_point_partition
 
     plt = _pyplot()
     points = torch.as_tensor(points)

@@ -39,7 +39,7 @@ from torch import nn
 from datapipes import DomainPipe, MeshSource, prepare_mesh
 from datapipes.synthetic import point_cloud
 from physicsnemo_dp.distributed import MeshContext
-from physicsnemo_dp.viz import rank_boxes
+from physicsnemo_dp.debug.viz import rank_boxes
 
 import _common
 

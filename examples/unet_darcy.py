@@ -34,7 +34,7 @@ from torch import nn
 from datapipes import DomainPipe, HDF5Fields, Normalize, compute_statistics
 from datapipes.synthetic import darcy_flow, write_hdf5
 from physicsnemo_dp.distributed import MeshContext
-from physicsnemo_dp.viz import rank_boxes
+from physicsnemo_dp.debug.viz import rank_boxes
 
 import _common
 

@@ -17,6 +17,7 @@ from .spatial import halo_exchange
 from .sync import sync_module_over_mesh
 from .launch import RankError, launch
 from .split import chunk_sizes
+from . import catalog, debug  # noqa: F401  (catalog fills the op table; debug is a public subpackage)
 
 __all__ = [
     "ShardTensor",

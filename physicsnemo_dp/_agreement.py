@@ -11,7 +11,7 @@ so every rank reaches the same verdict and raises the same error.
 
 Used always by the paths that communicate anyway (``from_local`` "infer",
 ``scatter_tensor``), and by the opt-in checking mode
-(:mod:`physicsnemo_dp.debug.checks`) for the communication-free constructions
+(:func:`physicsnemo_dp.debug.checks`) for the communication-free constructions
 and for redistributions.
 """
 
@@ -46,6 +46,7 @@ OPERATIONS = (
     "from_local(sharding_shapes={...})",
     "scatter_tensor",
     "from_dtensor",
+    "from_spec",
     "redistribute",
 )
 

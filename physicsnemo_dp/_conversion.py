@@ -22,17 +22,12 @@ from __future__ import annotations
 
 from ._torch_compat import Function
 from ._redistribute import grad_layout, grad_of_contribution, redistribute_local
-
-
-def _shard_tensor_cls():
-    from .shard_tensor import ShardTensor
-
-    return ShardTensor
+from .rule_kit import shard_tensor_cls
 
 
 def _as_layout(grad, spec):
     """Local tensor of ``grad`` brought to the layout of ``spec`` (gradient convention)."""
-    ShardTensor = _shard_tensor_cls()
+    ShardTensor = shard_tensor_cls()
     target = grad_layout(spec)
     if isinstance(grad, ShardTensor):
         grad = redistribute_local(grad._local_tensor, grad._spec, target)
@@ -42,7 +37,7 @@ def _as_layout(grad, spec):
 class FromLocal(Function):
     @staticmethod
     def forward(local, spec):
-        return _shard_tensor_cls()(local.detach(), spec, requires_grad=False)
+        return shard_tensor_cls()(local.detach(), spec, requires_grad=False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -64,14 +59,14 @@ class ToLocal(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _shard_tensor_cls()(grad.contiguous(), ctx.grad_spec, requires_grad=False), None
+        return shard_tensor_cls()(grad.contiguous(), ctx.grad_spec, requires_grad=False), None
 
 
 class Redistribute(Function):
     @staticmethod
     def forward(tensor, dst_spec):
         local = redistribute_local(tensor._local_tensor, tensor._spec, dst_spec)
-        return _shard_tensor_cls()(local, dst_spec, requires_grad=False)
+        return shard_tensor_cls()(local, dst_spec, requires_grad=False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -82,7 +77,7 @@ class Redistribute(Function):
         target = grad_layout(ctx.src_spec)
         local = redistribute_local(grad._local_tensor, grad._spec, target)
         local = grad_of_contribution(local, ctx.src_spec)
-        return _shard_tensor_cls()(local, target, requires_grad=False), None
+        return shard_tensor_cls()(local, target, requires_grad=False), None
 
 
 class Contiguous(Function):
@@ -91,7 +86,7 @@ class Contiguous(Function):
     @staticmethod
     def forward(tensor, memory_format):
         local = tensor._local_tensor.contiguous(memory_format=memory_format)
-        return _shard_tensor_cls()(local, tensor._spec, requires_grad=False)
+        return shard_tensor_cls()(local, tensor._spec, requires_grad=False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from . import _agreement, _layout, collectives
 from ._plan import Layout, Step, default_dst_sizes, plan
-from .debug.checks import checks_enabled
+from ._checking import checks_enabled
 from .split import offsets_from_sizes
 
 

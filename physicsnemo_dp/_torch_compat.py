@@ -14,9 +14,15 @@ import inspect
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
+from torch._ops import OpOverload
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils import _pytree as pytree
 
 __all__ = [
+    "pytree",
+    "OpOverload",
+    "TensorBase",
+    "upsample_kernels",
     "Function",
     "non_differentiable",
     "DTensorSpec",
@@ -45,6 +51,25 @@ __all__ = [
     "default_store",
 ]
 
+
+#: torch's pytree utilities (``tree_flatten``, ``tree_unflatten``, ``tree_map``): the rules
+#: flatten nested op arguments with them, as DTensor does.
+#: ``OpOverload``: the type of ATen ops (``aten.mm.default``) as the dispatcher hands them over.
+#: ``TensorBase``: the C base class whose property descriptors (``grad``, ``grad_fn``, ...)
+#: ShardTensor reads directly, so those reads do not re-enter ``__torch_function__``.
+TensorBase = torch._C.TensorBase
+
+#: The interpolation kernels ``F.interpolate`` dispatches to, by mode, with the
+#: signature ``kernel(x, output_size, align_corners, scales)`` (the nearest kernels take
+#: no ``align_corners``). The sharded interpolation calls them on local windows.
+upsample_kernels = {
+    "nearest": lambda x, size, ac, scales: torch._C._nn.upsample_nearest2d(x, size, scales),
+    "nearest-exact": lambda x, size, ac, scales: torch._C._nn._upsample_nearest_exact2d(x, size, scales),
+    "linear": lambda x, size, ac, scales: torch._C._nn.upsample_bilinear2d(x, size, ac, scales),
+    "cubic": lambda x, size, ac, scales: torch._C._nn.upsample_bicubic2d(x, size, ac, scales),
+    "linear-aa": lambda x, size, ac, scales: torch._C._nn._upsample_bilinear2d_aa(x, size, ac, scales),
+    "cubic-aa": lambda x, size, ac, scales: torch._C._nn._upsample_bicubic2d_aa(x, size, ac, scales),
+}
 
 #: ``__torch_function__`` implementation that opts a subclass out of the
 #: Python-level override protocol (what DTensor uses).

@@ -106,7 +106,7 @@ class _Stream(io.TextIOBase):
 
 def _to_cpu(value):
     import torch
-    from torch.utils._pytree import tree_map
+    from ._torch_compat import pytree
 
     def move(x):
         if isinstance(x, torch.Tensor):
@@ -117,7 +117,7 @@ def _to_cpu(value):
             return x.detach().cpu()
         return x
 
-    return tree_map(move, value)
+    return pytree.tree_map(move, value)
 
 
 def _die_with_launcher(lifeline) -> None:

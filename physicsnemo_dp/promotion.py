@@ -1,9 +1,16 @@
-"""What happens when a plain ``torch.Tensor`` meets a ShardTensor.
+"""What happens when a plain ``torch.Tensor`` (or a DTensor) meets a ShardTensor.
 
 A plain tensor in an op with sharded data is almost always a model weight
 (replicated by DDP, all-gathered by FSDP2). *Promotion* treats it as
 ``Replicate`` on the ShardTensor's mesh and, in backward, sums its gradient
-over that mesh so it equals the single-process gradient.
+over that mesh so it equals the single-process gradient. DTensors are
+converted with ``ShardTensor.from_dtensor`` and keep their own gradient
+convention.
+
+The step is the differentiable :class:`Promote`; :func:`promote_args` applies
+it to an op's arguments. The ``__torch_function__`` hook calls it before every
+op, and rules that build a replicated operand themselves (``matmul``) use
+:class:`Promote` directly.
 
 The mode is explicit, resettable state: :func:`set_promotion_mode` and the
 :func:`promotion_mode` context manager (which always restores the previous
@@ -14,7 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 from typing import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate
+
+from ._redistribute import redistribute_local
+from ._torch_compat import Function, pytree
+from .errors import PlacementError, PromotionError
+from .rule_kit import shard_tensor_cls
+from .spec import ShardTensorSpec
 
 __all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode"]
 
@@ -66,3 +84,117 @@ def promotion_mode(mode) -> Iterator[TensorPromotionMode]:
         yield get_promotion_mode()
     finally:
         set_promotion_mode(previous)
+
+
+# --------------------------------------------------------------------------- #
+# The promotion step
+# --------------------------------------------------------------------------- #
+def _is_dtensor(x) -> bool:
+    return isinstance(x, DTensor)
+
+
+def _needs_promotion(x, ShardTensor) -> bool:
+    """Plain tensors and DTensors, except plain 0-dim tensors that need no gradient (scalars).
+
+    A 0-dim DTensor left as it is reaches DTensor's dispatch, which refuses the
+    ShardTensor beside it; a 0-dim plain tensor that requires grad (a scalar
+    parameter) would get the unreduced, per-rank gradient as a ShardTensor.
+    """
+    return (
+        isinstance(x, torch.Tensor) and not isinstance(x, ShardTensor)
+        and (x.ndim > 0 or x.requires_grad or _is_dtensor(x))
+    )
+
+
+class Promote(Function):
+    """Plain tensor -> Replicate ShardTensor; gradient summed over the mesh."""
+
+    @staticmethod
+    def forward(plain, mesh):
+        ShardTensor = shard_tensor_cls()
+        spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, plain.shape, plain.dtype)
+        return ShardTensor(plain.detach(), spec, requires_grad=False)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = output._spec
+
+    @staticmethod
+    def backward(ctx, grad):
+        ShardTensor = shard_tensor_cls()
+        if not isinstance(grad, ShardTensor):
+            return grad, None
+        return redistribute_local(grad._local_tensor, grad._spec, ctx.spec), None
+
+
+def _needs_no_promotion(args, kwargs, ShardTensor) -> bool:
+    """Fast check for the common call: tensors at top level, all ShardTensors on one mesh object.
+
+    Anything else (containers, plain tensors other than scalars without grad,
+    DTensors of any ndim, several mesh objects) takes the general path of
+    :func:`promote_args`.
+    """
+    mesh = None
+    for a in (*args, *kwargs.values()):
+        if type(a) is ShardTensor:
+            if mesh is None:
+                mesh = a._spec.mesh
+            elif a._spec.mesh is not mesh:
+                return False
+        elif isinstance(a, torch.Tensor):
+            if a.ndim > 0 or a.requires_grad or _is_dtensor(a):
+                return False
+        elif isinstance(a, (list, tuple, dict)):
+            return False
+    return True
+
+
+def promote_args(func, args, kwargs):
+    """Promote plain non-scalar tensors and DTensors among ``args``/``kwargs``.
+
+    Honours the promotion mode; raises ``PromotionError`` in DISABLED mode and
+    ``PlacementError`` when ShardTensors on different meshes meet.
+    """
+    ShardTensor = shard_tensor_cls()
+    if _needs_no_promotion(args, kwargs, ShardTensor):
+        return args, kwargs
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    meshes = []
+    for x in flat:
+        if isinstance(x, ShardTensor) and not any(x.device_mesh == m for m in meshes):
+            meshes.append(x.device_mesh)
+    if len(meshes) > 1:
+        raise PlacementError(
+            f"{_name(func)}: ShardTensor arguments live on different device meshes; "
+            "redistribute them onto one mesh first"
+        )
+    if not meshes or not any(_needs_promotion(x, ShardTensor) for x in flat):
+        return args, kwargs
+    mesh = meshes[0]
+    mode = get_promotion_mode()
+    out = []
+    for x in flat:
+        if not _needs_promotion(x, ShardTensor):
+            out.append(x)
+        elif _is_dtensor(x):
+            out.append(ShardTensor.from_dtensor(x))
+        elif mode is TensorPromotionMode.DISABLED:
+            raise PromotionError(
+                f"{_name(func)}: a plain tensor of shape {tuple(x.shape)} meets a ShardTensor "
+                "while promotion is DISABLED; make it distributed first (scatter_tensor, "
+                "ShardTensor.from_local(..., placements=[Replicate()])) or enable promotion "
+                "with set_promotion_mode('silent')"
+            )
+        else:
+            if mode is TensorPromotionMode.WARN:
+                warnings.warn(
+                    f"{_name(func)}: promoting a plain tensor of shape {tuple(x.shape)} to "
+                    "Replicate on the ShardTensor's mesh",
+                    stacklevel=4,
+                )
+            out.append(Promote.apply(x, mesh))
+    return pytree.tree_unflatten(out, spec)
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)

@@ -23,6 +23,7 @@ from . import _agreement, _layout, promotion
 from ._conversion import Contiguous, FromLocal, Redistribute, ToLocal
 from ._redistribute import grad_layout, redistribute_local, target_layout
 from ._torch_compat import (
+    TensorBase,
     aot_cache_bypass,
     current_mesh,
     dynamo_frame_hook_active,
@@ -30,16 +31,16 @@ from ._torch_compat import (
     torch_function_disabled,
     traced,
 )
-from .debug.checks import checks_enabled
+from ._checking import checks_enabled
 from .dispatch import registry
 from .dispatch.torch_dispatch import handle_torch_dispatch
 from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
 from .errors import PlacementError
+from .rule_kit import _register_shard_tensor_cls
 from .spec import ShardTensorSpec
 
 __all__ = ["ShardTensor"]
 
-_TensorBase = torch._C.TensorBase
 
 
 #: torch.compile treats ShardTensor as opaque: its graphs record torch calls on
@@ -173,6 +174,28 @@ class ShardTensor(torch.Tensor):
             _agreement.verify("from_dtensor", dtensor.device_mesh, local, spec, None)
         return FromLocal.apply(local, spec)
 
+    @staticmethod
+    def from_spec(local_tensor: torch.Tensor, spec: ShardTensorSpec) -> "ShardTensor":
+        """Wrap this rank's piece in a layout every rank already knows (differentiable, no communication).
+
+        For code that builds many tensors of one layout, e.g. a datapipe's
+        batches: ``spec`` comes from an earlier tensor (``x.spec``) or from
+        ``ShardTensorSpec.from_sizes``. The local tensor must have this rank's
+        box of ``spec`` and its dtype; otherwise ``PlacementError``. Under the
+        checking mode the ranks also verify collectively that they passed the
+        same layout.
+        """
+        if not isinstance(spec, ShardTensorSpec):
+            raise TypeError(f"spec must be a ShardTensorSpec, got {type(spec).__name__}")
+        _, error = _agreement.with_checked_arguments(lambda: _check_boxed(local_tensor, spec))
+        if checks_enabled():
+            _agreement.verify("from_spec", spec.mesh, local_tensor, spec, error)
+        elif error is not None:
+            raise error
+        if not local_tensor.requires_grad:  # nothing to record: skip the autograd Function (~8 us)
+            return ShardTensor(local_tensor, spec, requires_grad=False)
+        return FromLocal.apply(local_tensor, spec)
+
     # --------------------------------------------------------- conversion
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local tensor (differentiable). Partial data stays unreduced.
@@ -255,6 +278,11 @@ class ShardTensor(torch.Tensor):
     def placements(self) -> tuple[Placement, ...]:
         return self._spec.placements
 
+    @property
+    def spec(self) -> ShardTensorSpec:
+        """The layout: mesh, placements, global shape, dtype and every shard's size (immutable)."""
+        return self._spec
+
     def offsets(self, mesh_dim: int | None = None):
         """Where this rank's shard starts along each sharded dim (see ``ShardTensorSpec.offsets``)."""
         return self._spec.offsets(mesh_dim)
@@ -265,22 +293,22 @@ class ShardTensor(torch.Tensor):
     @property
     def grad_fn(self):
         with torch_function_disabled():
-            return _TensorBase.grad_fn.__get__(self)
+            return TensorBase.grad_fn.__get__(self)
 
     @property
     def is_leaf(self) -> bool:
         with torch_function_disabled():
-            return _TensorBase.is_leaf.__get__(self)
+            return TensorBase.is_leaf.__get__(self)
 
     @property
     def requires_grad(self) -> bool:
         with torch_function_disabled():
-            return _TensorBase.requires_grad.__get__(self)
+            return TensorBase.requires_grad.__get__(self)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         with torch_function_disabled():
-            _TensorBase.requires_grad.__set__(self, value)
+            TensorBase.requires_grad.__set__(self, value)
 
     def requires_grad_(self, requires_grad: bool = True) -> "ShardTensor":
         """Set ``requires_grad`` on the wrapper (the local tensor never tracks grads)."""
@@ -303,7 +331,7 @@ class ShardTensor(torch.Tensor):
         is read as this rank's local gradient in this tensor's layout.
         """
         with torch_function_disabled():
-            g = _TensorBase.grad.__get__(self)
+            g = TensorBase.grad.__get__(self)
         if g is None:
             return None
         target = grad_layout(self._spec)
@@ -319,13 +347,13 @@ class ShardTensor(torch.Tensor):
         if g._spec != target:  # backward rules may leave another (equivalent) layout
             g = Redistribute.apply(g.detach(), target)
             with torch_function_disabled():
-                _TensorBase.grad.__set__(self, g)
+                TensorBase.grad.__set__(self, g)
         return g
 
     @grad.setter
     def grad(self, value) -> None:
         with torch_function_disabled():
-            _TensorBase.grad.__set__(self, value)
+            TensorBase.grad.__set__(self, value)
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         """Backpropagate from this tensor, reducing pending Partial data first."""
@@ -360,6 +388,9 @@ class ShardTensor(torch.Tensor):
     def register_named_function_handler(func_name: str, handler) -> None:
         """Use ``handler`` for the custom op named ``func_name`` (e.g. ``"mylib.op.default"``)."""
         registry.named_function_handlers.register(func_name, handler)
+
+
+_register_shard_tensor_cls(ShardTensor)
 
 
 # --------------------------------------------------------------------------- #
@@ -406,6 +437,16 @@ def _check_local(local, mesh: DeviceMesh) -> None:
         raise PlacementError(
             f"local_tensor is on {local.device} but the device mesh is of type "
             f"{mesh.device_type!r}; move the tensor to the mesh's device first"
+        )
+
+
+def _check_boxed(local, spec: ShardTensorSpec) -> None:
+    """``local`` is a plain tensor of this rank's box of ``spec``, with its dtype and device type."""
+    _check_local(local, spec.mesh)
+    if tuple(local.shape) != tuple(spec.local_shape) or local.dtype != spec.tensor_meta.dtype:
+        raise PlacementError(
+            f"rank {torch.distributed.get_rank()}: local_tensor is {local.dtype} of shape {tuple(local.shape)} "
+            f"but the spec gives this rank {spec.tensor_meta.dtype} of shape {tuple(spec.local_shape)}"
         )
 
 

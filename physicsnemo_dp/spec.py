@@ -222,7 +222,7 @@ class ShardTensorSpec(DTensorSpec):
 
         Stable across processes (unlike ``hash``, which salts strings per
         process), so ranks can compare whole specs by exchanging one int; used
-        by the checking mode (:mod:`physicsnemo_dp.debug.checks`).
+        by the checking mode (:func:`physicsnemo_dp.debug.checks`).
         """
         text = repr((self.mesh_shape, self.placements, self.global_shape, self._dim_sizes, str(self.tensor_meta.dtype)))
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

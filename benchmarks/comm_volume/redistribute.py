@@ -70,7 +70,7 @@ def _inputs(mesh, shape, rows_sizes) -> dict[str, ShardTensor]:
 
 def _shard_tensor(mesh, placements, shape, sizes, dtype=torch.float32) -> ShardTensor:
     spec = ShardTensorSpec.from_sizes(mesh, placements, shape, dtype, sizes)
-    return ShardTensor(torch.ones(spec.local_shape, dtype=dtype, device=mesh_device(mesh)), spec, requires_grad=False)
+    return ShardTensor.from_spec(torch.ones(spec.local_shape, dtype=dtype, device=mesh_device(mesh)), spec)
 
 
 def run(mesh, rows: int, cols: int, compare_dtensor: bool = False) -> list[Result]:
@@ -78,7 +78,7 @@ def run(mesh, rows: int, cols: int, compare_dtensor: bool = False) -> list[Resul
     shape = (rows, cols)
     inputs = _inputs(mesh, shape, uneven_sizes(rows, P))
     x = inputs["shard"]
-    mine = x._spec.local_shape[0]
+    mine = x.spec.local_shape[0]
     results = []
     for name, operand, fn, minimum in _ops(rows, cols, P, me, mine, elem):
         with count_collectives() as counter:
@@ -104,11 +104,11 @@ def _versus_dtensor(mesh, rows: int, cols: int) -> list[Result]:
     shape = (rows, cols)
     ours = _inputs(mesh, shape, chunk_sizes(rows, P))
     theirs = {
-        kind: DTensor.from_local(t._local_tensor, mesh, t.placements, shape=shape, stride=(cols, 1))
+        kind: DTensor.from_local(t.to_local(), mesh, t.placements, shape=shape, stride=(cols, 1))
         for kind, t in ours.items()
     }
     results = []
-    for name, operand, fn, _ in _ops(rows, cols, P, me, ours["shard"]._spec.local_shape[0], 4):
+    for name, operand, fn, _ in _ops(rows, cols, P, me, ours["shard"].spec.local_shape[0], 4):
         with count_collectives() as counted:
             fn(ours[operand])
         with DTensorTraffic(mesh) as traffic, _quiet(_GLOO_ALLTOALL_WARNING):

@@ -46,7 +46,7 @@ def _factor(P: int) -> tuple[int, int] | None:
 def _sharded(g: torch.Tensor, mesh, placements, tables, requires_grad: bool) -> ShardTensor:
     spec = ShardTensorSpec.from_sizes(mesh, placements, tuple(g.shape), g.dtype, tables)
     box = tuple(slice(o, o + n) for o, n in zip(spec.local_offsets(), spec.local_shape))
-    return ShardTensor(g[box].clone().to(mesh_device(mesh)), spec, requires_grad=requires_grad)
+    return ShardTensor.from_spec(g[box].clone().to(mesh_device(mesh)), spec).requires_grad_(requires_grad)
 
 
 def _halo_minimum(spec, dims: tuple[int, ...], channels: int, elem: int) -> int:
@@ -72,7 +72,7 @@ def _conv_halo(mesh, label: str, size: int, channels: int, placements, tables, d
         y = conv(x)
     with count_collectives() as bwd:
         y.backward(torch.ones_like(y))
-    minimum = over_ranks(_halo_minimum(x._spec, dims, channels, 4))
+    minimum = over_ranks(_halo_minimum(x.spec, dims, channels, 4))
     return [
         Result(SUITE, f"halo, conv 3x3, {label}, forward", P, over_ranks(fwd.bytes_received[_HALO]), minimum,
                "bytes", ("<=", 1.1)),

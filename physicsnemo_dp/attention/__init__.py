@@ -2,7 +2,7 @@
 
 Models call ``F.scaled_dot_product_attention`` unchanged; when its inputs are
 ShardTensors the handler registered here (a dispatch-rules family: see
-:mod:`physicsnemo_dp.dispatch.rules`) picks the layout from where the
+:mod:`physicsnemo_dp.catalog`) picks the layout from where the
 sequence dim (-2) is sharded:
 
 * sharded queries, replicated keys/values — local attention, no communication;

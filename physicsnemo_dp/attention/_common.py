@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
+from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from . import _heads
 from ._blocks import NEG_INF, Span, compute_dtype
 from ._placement import AttentionLayout, sequence_ranges

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_compat import Function, non_differentiable
-from ..dispatch.rules._common import wrap
+from ..rule_kit import wrap
 from ._common import Options, grouped, local_grad, ungrouped_grads
 from ._placement import AttentionLayout
 from .local import kv_sharded_backward, kv_sharded_forward, local_backward, local_forward

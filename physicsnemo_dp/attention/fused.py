@@ -55,7 +55,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .._redistribute import redistribute_local
-from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
+from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
 from . import _heads
 from ._common import grouped, local_grad, ungrouped_grads

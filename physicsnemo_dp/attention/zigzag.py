@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from .._torch_compat import Function
 from .. import _layout, collectives
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import normalize_dim, to_layout, wrap
+from ..rule_kit import normalize_dim, to_layout, wrap
 from ..errors import PlacementError
 from ..split import chunk_sizes, offsets_from_sizes
 from ._blocks import Span

@@ -3,7 +3,7 @@
 Runs below autograd on ATen ops. Order:
 
 1. a dispatch handler registered for the ``OpOverload`` (or its custom-op name);
-2. the rule of the op's family (see :mod:`physicsnemo_dp.dispatch.rules`);
+2. the rule of the op's family (the table :mod:`.table`, filled by :mod:`physicsnemo_dp.catalog`);
 3. otherwise a ``NotImplementedError`` that names the op and the way out.
 
 Rules compute the output layout (placements *and* every shard's size) from
@@ -13,9 +13,8 @@ explicitly. No rule guesses sizes from chunking.
 
 from __future__ import annotations
 
-import torch
-
-from . import rules
+from .._torch_compat import OpOverload
+from . import table
 from .registry import dispatch_handlers, named_function_handlers
 
 __all__ = ["handle_torch_dispatch"]
@@ -25,11 +24,11 @@ def handle_torch_dispatch(func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if dispatch_handlers._handlers or named_function_handlers._handlers:  # skip both lookups when none is registered
         handler = dispatch_handlers.get(func)
-        if handler is None and isinstance(func, torch._ops.OpOverload):
+        if handler is None and isinstance(func, OpOverload):
             handler = named_function_handlers.get(str(func))
         if handler is not None:
             return handler(func, types, args, kwargs)
-    rule = rules.lookup(func)
+    rule = table.lookup(func)
     if rule is None:
         raise NotImplementedError(
             f"ShardTensor has no rule for {func}. Either gather first "

@@ -6,7 +6,7 @@ Window ops (convolution, pooling, padding, interpolation) get the rows they
 need from neighbours through one primitive, :func:`halo.halo_exchange`;
 normalization reduces its statistics over the mesh dims that shard the
 reduced dims. The module-level ``FUNCTIONS`` / ``RULES`` tables are picked up
-by :mod:`physicsnemo_dp.dispatch.rules` like any op family.
+by :mod:`physicsnemo_dp.catalog` like any op family.
 """
 
 from __future__ import annotations

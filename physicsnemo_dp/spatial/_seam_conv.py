@@ -31,7 +31,7 @@ import torch
 
 from .._torch_compat import Function, non_differentiable
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
+from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from . import halo
 from ._window_op import Geometry, partial_spec
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .._torch_compat import Function, non_differentiable
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import shard_tensor_cls, to_layout, wrap
+from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
 from . import _geometry, halo
 

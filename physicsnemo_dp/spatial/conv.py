@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch.rules._common import meta_output
+from ..rule_kit import meta_output
 from . import _geometry, _seam_conv
 from ._window_op import Kernel, apply, build, ntuple, prepare_input, replicated, whole_extent
 

@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from .. import _layout, collectives
 from .._torch_compat import Function, graph_constant
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import wrap
+from ..rule_kit import wrap
 from ..errors import PlacementError
 from ..split import offsets_from_sizes
 from ._halo_plan import BOUNDARY_MODES, DimPlan, plan_dim

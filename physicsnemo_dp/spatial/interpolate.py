@@ -28,20 +28,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..dispatch.rules._common import meta_output
-from .._torch_compat import graph_constant, on_real_tensors
+from ..rule_kit import meta_output
+from .._torch_compat import graph_constant, on_real_tensors, upsample_kernels
 from . import _geometry
 from ._window_op import Kernel, WindowFunction, build, prepare_input
 from .pool import adaptive_pool
 
-_KERNELS = {
-    "nearest": lambda x, size, ac, scales: torch._C._nn.upsample_nearest2d(x, size, scales),
-    "nearest-exact": lambda x, size, ac, scales: torch._C._nn._upsample_nearest_exact2d(x, size, scales),
-    "linear": lambda x, size, ac, scales: torch._C._nn.upsample_bilinear2d(x, size, ac, scales),
-    "cubic": lambda x, size, ac, scales: torch._C._nn.upsample_bicubic2d(x, size, ac, scales),
-    "linear-aa": lambda x, size, ac, scales: torch._C._nn._upsample_bilinear2d_aa(x, size, ac, scales),
-    "cubic-aa": lambda x, size, ac, scales: torch._C._nn._upsample_bicubic2d_aa(x, size, ac, scales),
-}
+_KERNELS = upsample_kernels
 _FIRST_P = {"nearest": 1, "nearest-exact": 1, "linear": 2, "cubic": 4}
 
 

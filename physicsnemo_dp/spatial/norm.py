@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .._torch_compat import Function, non_differentiable
 from .. import _layout, collectives
 from .._redistribute import grad_layout
-from ..dispatch.rules._common import meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
+from ..rule_kit import meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
 from ._window_op import prepare_input, replicated
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from ..dispatch.rules._common import meta_output
+from ..rule_kit import meta_output
 from .._torch_compat import pad_builtin
 
 from . import _geometry

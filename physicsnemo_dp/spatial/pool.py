@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .._torch_compat import graph_constant, on_real_tensors
-from ..dispatch.rules._common import meta_output, wrap
+from ..rule_kit import meta_output, wrap
 from . import _geometry
 from ._window_op import Kernel, WindowFunction, build, ntuple, prepare_input
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec, collectives, count_collectives
 from physicsnemo_dp.dispatch.registry import function_handlers
-from physicsnemo_dp.dispatch.rules._common import wrap
+from physicsnemo_dp.rule_kit import wrap
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global

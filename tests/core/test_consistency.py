@@ -260,3 +260,36 @@ def test_checks_are_a_no_op_while_torch_compile_traces(ctx):
     with checks():
         assert torch.equal(out.full_tensor(), G * 2 + 1)
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- #
+# from_spec: the supported constructor from a known layout (datapipes, benchmarks)
+# --------------------------------------------------------------------------- #
+@distributed(world_sizes=(1, 3), mesh_2d=True)
+def test_from_spec_wraps_a_known_layout_without_communication(ctx):
+    mesh = ctx.mesh
+    placements = [Shard(0)] * mesh.ndim
+    full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    x = shard_from_global(full, make_spec(mesh, placements, (7, 3), dtype=torch.float32))
+    with count_collectives() as counter:
+        y = ShardTensor.from_spec(x.to_local().clone(), x.spec)
+    assert counter.total_calls == 0
+    assert y.spec == x.spec and not y.requires_grad
+    assert torch.equal(y.full_tensor(), full)
+    w = x.to_local().clone().requires_grad_(True)  # differentiable like from_local
+    (ShardTensor.from_spec(w, x.spec) * 2).sum().backward()
+    assert torch.equal(w.grad, torch.full_like(w, 2.0))
+    wrong = torch.zeros(x.to_local().shape[0] + 1, 3)
+    _raises(PlacementError, lambda: ShardTensor.from_spec(wrong, x.spec), "the spec gives this rank")
+    _raises(PlacementError, lambda: ShardTensor.from_spec(x.to_local().double(), x.spec), "torch.float32")
+    _raises(TypeError, lambda: ShardTensor.from_spec(x.to_local(), x.placements), "must be a ShardTensorSpec")
+
+
+@distributed(world_sizes=(2, 3), mesh_2d=False)
+def test_checks_catch_from_spec_with_another_layout_on_one_rank(ctx):
+    mesh = ctx.mesh
+    spec = make_spec(mesh, [Shard(0) if ctx.rank != 1 else Shard(1)], (6, 4), kind="chunk", dtype=torch.float32)
+    local = torch.zeros(spec.local_shape)
+    with checks():
+        message = _raises(PlacementError, lambda: ShardTensor.from_spec(local, spec), "from_spec", "disagree")
+    _same_everywhere(ctx, message)

@@ -1,8 +1,11 @@
 """The architecture guardrails, run the way CI runs them: as subprocesses.
 
-* ``lint-imports`` checks the import contracts in ``pyproject.toml`` (core
-  tensor code does not import ``physicsnemo_dp.distributed``; nothing in
-  ``physicsnemo_dp`` imports ``datapipes`` or ``examples``);
+* ``lint-imports`` checks the import contracts in ``pyproject.toml`` (the
+  layers of ``docs/architecture.md`` point one way; core tensor code does not
+  import ``physicsnemo_dp.distributed``; nothing in ``physicsnemo_dp`` imports
+  ``datapipes`` or ``examples``);
+* the import graph has no cycles, every module of the package has a layer,
+  and private torch APIs are reached only through ``_torch_compat.py``;
 * ``tools/lint_parallelizer_contract.py`` checks what import rules cannot
   (one public method on sidecars, exported imports only, no model-name
   branching in shared code).
@@ -13,11 +16,20 @@ stopped checking would fail here.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter depends on tomli there
+    import tomli as tomllib
+
+import grimp
+import networkx
 
 from .._tools import executable
 
@@ -41,7 +53,92 @@ def _lint_imports(cwd) -> subprocess.CompletedProcess:
 def test_import_contracts_hold():
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert "4 kept, 0 broken" in result.stdout
+
+
+def test_layers_contract_catches_an_upward_import(tmp_path):
+    shutil.copytree(ROOT / "physicsnemo_dp", tmp_path / "physicsnemo_dp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / "physicsnemo_dp" / "rule_kit.py", "a") as f:  # the kit reaching up to the families
+        f.write("\ndef _peek():\n    from .rules import pointwise\n    return pointwise\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "Layers point one way (docs/architecture.md) BROKEN" in result.stdout
+    assert "physicsnemo_dp.rule_kit -> physicsnemo_dp.rules.pointwise" in result.stdout
+
+
+def _import_graph(package: str = "physicsnemo_dp") -> networkx.DiGraph:
+    """Every import between modules of ``package``, function-level imports included."""
+    graph = grimp.build_graph(package)
+    g = networkx.DiGraph()
+    for module in graph.modules:
+        g.add_node(module)
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported.startswith(package):
+                g.add_edge(module, imported)
+    return g
+
+
+def test_no_import_cycles():
+    cycles = [sorted(c) for c in networkx.strongly_connected_components(_import_graph()) if len(c) > 1]
+    assert cycles == [], f"import cycles between modules of physicsnemo_dp: {cycles}"
+
+
+def test_every_module_has_a_layer():
+    """A new top-level module must be placed in the layers contract, or nothing constrains it."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers"]
+    named = {name.strip() for layer in layers["layers"] for name in layer.split("|")}
+    package = ROOT / "physicsnemo_dp"
+    present = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    present |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert present - named == set(), f"modules without a layer in pyproject.toml: {sorted(present - named)}"
+    assert named - present == set(), f"layers naming no module: {sorted(named - present)}"
+
+
+def _private_torch_uses(path: Path, root: Path = ROOT) -> list[str]:
+    """Imports and attribute chains from ``torch`` that pass through a private (``_x``) name."""
+    private = lambda name: name.startswith("_") and not (name.startswith("__") and name.endswith("__"))  # noqa: E731
+    nodes = list(ast.walk(ast.parse(path.read_text(), str(path))))
+    inner = {id(n.value) for n in nodes if isinstance(n, ast.Attribute)}  # only whole chains count
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            parts, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                parts.append(value.attr)
+                value = value.value
+            names = [".".join([value.id, *reversed(parts)])] if isinstance(value, ast.Name) else []
+        else:
+            continue
+        for name in dict.fromkeys(names):
+            parts = name.split(".")
+            if parts[0] == "torch" and any(private(p) for p in parts[1:]):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+                break  # one finding per statement
+    return found
+
+
+def test_private_torch_apis_only_in_torch_compat():
+    """A torch upgrade must be a one-file change: private torch names appear only in _torch_compat.py."""
+    files = [p for d in ("physicsnemo_dp", "datapipes") for p in (ROOT / d).rglob("*.py")]
+    uses = [u for p in files if p.name != "_torch_compat.py" for u in _private_torch_uses(p)]
+    assert uses == [], "private torch APIs outside physicsnemo_dp/_torch_compat.py:\n" + "\n".join(uses)
+
+
+def test_private_torch_check_finds_every_form(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import torch\nimport torch._dynamo\nfrom torch.utils import _pytree\n"
+        "from torch._ops import OpOverload\nx = torch._C.TensorBase\ny = torch.__version__\n"
+        "z = torch.nn.functional.pad\n"
+    )
+    found = [u.split(": ", 1)[1] for u in _private_torch_uses(sample, tmp_path)]
+    assert found == ["torch._dynamo", "torch.utils._pytree", "torch._ops", "torch._C.TensorBase"], found
 
 
 def test_import_contracts_catch_violations(tmp_path):

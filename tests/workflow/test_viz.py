@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from physicsnemo_dp import ShardTensorSpec
-from physicsnemo_dp.viz import plot_layout, plot_point_partition, rank_boxes
+from physicsnemo_dp.debug.viz import plot_layout, plot_point_partition, rank_boxes
 from tests._harness import distributed
 
 
@@ -48,7 +48,7 @@ def test_point_partition_plot():
 
 
 def test_halo_windows_name_rows_owners_and_messages():
-    from physicsnemo_dp.viz import halo_windows
+    from physicsnemo_dp.debug.viz import halo_windows
 
     zero, empty, last = halo_windows((5, 0, 4), 1, 1)
     assert zero["rows"] == [None, 0, 1, 2, 3, 4, 5] and zero["owners"][-1] == 2 and zero["received"] == {2: 1}
@@ -65,7 +65,7 @@ def test_halo_windows_name_rows_owners_and_messages():
 def test_halo_windows_match_the_exchange(ctx):
     from physicsnemo_dp import ShardTensor, count_collectives
     from physicsnemo_dp.spatial import halo_exchange
-    from physicsnemo_dp.viz import halo_windows
+    from physicsnemo_dp.debug.viz import halo_windows
 
     for sizes, (left, right), mode in [((5, 0, 4), (1, 1), "zeros"), ((7, 1, 6), (2, 2), "zeros"),
                                        ((3, 1, 4), (2, 1), "circular"), ((2, 4, 3), (2, 2), "reflect")]:
@@ -82,7 +82,7 @@ def test_halo_windows_match_the_exchange(ctx):
 
 
 def test_halo_exchange_picture_has_one_cell_per_window_position(tmp_path):
-    from physicsnemo_dp.viz import halo_windows, plot_halo_exchange
+    from physicsnemo_dp.debug.viz import halo_windows, plot_halo_exchange
 
     ax = plot_halo_exchange((7, 1, 6), 2)
     assert len(ax.patches) == sum(len(w["rows"]) for w in halo_windows((7, 1, 6), 2, 2))
@@ -97,7 +97,7 @@ def test_layout_summary_pickles_and_draws_like_the_spec(ctx):
 
     from torch.distributed.tensor.placement_types import Replicate
 
-    from physicsnemo_dp.viz import layout_of
+    from physicsnemo_dp.debug.viz import layout_of
 
     spec = ShardTensorSpec.from_sizes(ctx.mesh, [Shard(0)], (9, 4), torch.float32, ((5, 0, 4), None))
     layout = pickle.loads(pickle.dumps(layout_of(spec)))
@@ -111,7 +111,7 @@ def test_layout_summary_pickles_and_draws_like_the_spec(ctx):
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_field_pieces_tile_the_field(ctx, tmp_path):
     from physicsnemo_dp import ShardTensor
-    from physicsnemo_dp.viz import field_piece, plot_field_pieces
+    from physicsnemo_dp.debug.viz import field_piece, plot_field_pieces
 
     sizes = (4, 0, 3)
     full = torch.arange(7 * 5, dtype=torch.float32).reshape(1, 7, 5)

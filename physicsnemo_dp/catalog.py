@@ -1,0 +1,21 @@
+"""The op-family catalog: every family of sharding rules, installed into the dispatch table.
+
+This is the one module that knows all families. It sits above them, so the
+dispatch hooks (which look ops up) and the families (which implement them)
+never import each other. To add a family: write its module with ``RULES``
+(and optionally ``FUNCTIONS``), list it here, and test it with
+``tests/ops/_diff.check``.
+"""
+
+from __future__ import annotations
+
+from . import attention, spatial
+from .dispatch import table
+from .rules import dim_ops, indexing, joins, matmul, pointwise, reductions, tensor_like, views
+
+__all__ = ["FAMILIES"]
+
+#: Later families win where two name the same op.
+FAMILIES = (tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, spatial, attention)
+
+table.install(FAMILIES, pointwise_rule=pointwise.pointwise_rule)

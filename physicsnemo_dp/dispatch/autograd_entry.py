@@ -1,0 +1,75 @@
+"""torch's autograd entry points, re-implemented for graphs that hold ShardTensors.
+
+``torch.autograd.backward``, ``Tensor.backward`` and ``torch.autograd.grad``
+reach ``__torch_function__`` like any other call. Run as they are, torch would
+enter the engine with subclass torch-function disabled, so backward formulas
+of ShardTensor ops would skip the function-level handlers (and their
+communication-aware gradients). These versions call the engine directly,
+with torch-function enabled, after reading a plain gradient given for a
+ShardTensor output as the full gradient on every rank (``Replicate``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Replicate
+
+from .._torch_compat import run_autograd_engine
+from ..rule_kit import shard_tensor_cls
+from ..spec import ShardTensorSpec
+
+__all__ = ["AUTOGRAD_ENTRIES"]
+
+
+def _as_output_grads(outputs, grads):
+    """A plain gradient given for a ShardTensor output is the full gradient on every rank: Replicate."""
+    ShardTensor = shard_tensor_cls()
+    out = []
+    for t, g in zip(outputs, grads):
+        if isinstance(t, ShardTensor) and isinstance(g, torch.Tensor) and not isinstance(g, ShardTensor):
+            mesh = t._spec.mesh
+            spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, tuple(g.shape), g.dtype)
+            g = ShardTensor(g, spec, requires_grad=False)
+        out.append(g)
+    return tuple(out)
+
+
+def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+        grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+    grad_tensors = _as_output_grads(tensors, grad_tensors)
+    run_autograd_engine(
+        tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph,
+        inputs=inputs or (), accumulate_grad=True,
+    )
+
+
+def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    _backward(self, gradient, retain_graph, create_graph, inputs)
+
+
+def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+          allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    if is_grads_batched:
+        raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) is not supported for ShardTensors")
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
+    grad_outputs = _as_output_grads(outputs, grad_outputs)
+    result = run_autograd_engine(
+        outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+        inputs=inputs, accumulate_grad=False, allow_unused=bool(allow_unused or materialize_grads),
+    )
+    if materialize_grads:
+        result = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(result, inputs))
+    return result
+
+
+#: Autograd entry points re-implemented so the backward pass keeps torch-function enabled.
+AUTOGRAD_ENTRIES = {
+    torch.autograd.backward: _backward,
+    torch.Tensor.backward: _tensor_backward,
+    torch.autograd.grad: _grad,
+}

@@ -1,0 +1,69 @@
+"""The library's op table: which rule or function handler serves an op.
+
+The table is empty until :mod:`physicsnemo_dp.catalog` installs the op
+families into it (``import physicsnemo_dp`` does that). Keeping the table
+here and its contents above lets the dispatch hooks stay below the families:
+the hooks look ops up, the families depend only on the rule kit, and no module
+imports a layer above it.
+
+Each family module defines
+
+* ``RULES``: ``{OpOverload or OpOverloadPacket: rule}`` used by ``__torch_dispatch__``;
+  a rule is ``rule(func, args, kwargs) -> result`` and receives ShardTensors
+  (plus scalars, and plain tensors that reached the dispatcher);
+* ``FUNCTIONS`` (optional): ``{python callable: handler}`` used by
+  ``__torch_function__`` for composite functions whose ATen decomposition would
+  lose the sharding (e.g. ``F.linear`` on a 3-D input) or whose default backward
+  would materialise full-size gradients (``sum``/``mean``). A handler is called
+  as ``handler(func, types, args, kwargs)`` after promotion.
+
+User registrations (``ShardTensor.register_*``) always win over these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["install", "lookup", "lookup_function"]
+
+_RULES: dict = {}
+_FUNCTIONS: dict = {}
+_CACHE: dict = {}
+_POINTWISE: list = []
+
+
+def install(families, pointwise_rule) -> None:
+    """Fill the table from ``families`` (modules with ``RULES``/``FUNCTIONS``).
+
+    ``pointwise_rule`` serves every ATen op tagged pointwise that no family
+    names. Installing again replaces the contents (idempotent for the same
+    families), so the table never mixes two catalogs.
+    """
+    rules, functions = {}, {}
+    for module in families:
+        rules.update(module.RULES)
+        functions.update(getattr(module, "FUNCTIONS", {}))
+    _RULES.clear()
+    _RULES.update(rules)
+    _FUNCTIONS.clear()
+    _FUNCTIONS.update(functions)
+    _POINTWISE[:] = [pointwise_rule]
+    _CACHE.clear()
+
+
+def lookup(func):
+    """The library rule for an ATen op, or None (memoised: the table is fixed once installed)."""
+    try:
+        return _CACHE[func]
+    except KeyError:
+        pass
+    rule = _RULES.get(func) or _RULES.get(getattr(func, "overloadpacket", None))
+    if rule is None and _POINTWISE and torch.Tag.pointwise in getattr(func, "tags", ()):
+        rule = _POINTWISE[0]
+    _CACHE[func] = rule
+    return rule
+
+
+def lookup_function(func):
+    """The library's function-level handler for a Python callable, or None."""
+    return _FUNCTIONS.get(func)

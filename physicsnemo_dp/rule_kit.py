@@ -1,0 +1,207 @@
+"""The rule kit: what every op family (``rules/``, ``spatial/``, ``attention/``) builds on.
+
+It sits below the dispatch hooks and the ShardTensor class, so families depend
+on it and never on the layers that call them: ``wrap`` a local result in a
+spec, move a local tensor to another layout (``to_layout``, ``resolve_partial``,
+``unshard_dims``), bring a gradient to its input's layout (``grad_like``), and
+ask torch for an op's global output shape on meta tensors (``meta_output``).
+
+The ShardTensor class itself is defined above this module. ``shard_tensor.py``
+registers it here once, at import (:func:`_register_shard_tensor_cls`), which
+is how code below the class builds instances without importing upward.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from ._redistribute import redistribute_local
+from ._torch_compat import pytree
+
+_SHARD_TENSOR_CLS = None
+
+
+def _register_shard_tensor_cls(cls) -> None:
+    """Called once by ``shard_tensor.py`` when the class is defined."""
+    global _SHARD_TENSOR_CLS
+    _SHARD_TENSOR_CLS = cls
+
+
+def shard_tensor_cls():
+    """The ShardTensor class (a module-global read: this runs several times per op)."""
+    return _SHARD_TENSOR_CLS
+
+
+def broadcast_shape(*shapes) -> tuple[int, ...]:
+    """Broadcast of int shapes (a plain-Python ``torch.broadcast_shapes``, much cheaper)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, n in enumerate(shape, ndim - len(shape)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} cannot be broadcast together")
+                out[i] = n
+    return tuple(out)
+
+
+def wrap(local: torch.Tensor, spec):
+    """A ShardTensor around ``local`` with ``spec`` (dtype taken from ``local``)."""
+    ShardTensor = shard_tensor_cls()
+    if spec.tensor_meta.dtype != local.dtype:
+        spec = type(spec).from_sizes(spec.mesh, spec.placements, spec.global_shape, local.dtype, spec.dim_sizes)
+    return ShardTensor(local, spec, requires_grad=False)
+
+
+def to_layout(x, spec) -> torch.Tensor:
+    """Local tensor of ShardTensor ``x`` in the layout (placements and sizes) of ``spec``."""
+    if x._spec.placements == spec.placements and x._spec.dim_sizes == spec.dim_sizes:
+        return x._local_tensor
+    return redistribute_local(x._local_tensor, x._spec, spec)
+
+
+def resolve_partial(x, mesh_dims=None):
+    """Local tensor and spec of ``x`` with pending reductions on ``mesh_dims`` done (all if None)."""
+    placements = tuple(
+        Replicate() if isinstance(p, Partial) and (mesh_dims is None or m in mesh_dims) else p
+        for m, p in enumerate(x._spec.placements)
+    )
+    if placements == x._spec.placements:
+        return x._local_tensor, x._spec
+    spec = x._spec.with_layout(placements, x._spec.dim_sizes)
+    return redistribute_local(x._local_tensor, x._spec, spec), spec
+
+
+def replicated_to_box(t: torch.Tensor, spec) -> torch.Tensor:
+    """Slice a tensor that every rank holds in full down to this rank's box of ``spec``.
+
+    ``t`` may have fewer dims than the spec (broadcasting aligns trailing dims)
+    and extent 1 along dims it broadcasts; those are left alone.
+    """
+    offset = len(spec.global_shape) - t.ndim
+    offsets = spec.local_offsets()
+    local_shape = spec.local_shape
+    for d, table in enumerate(spec.dim_sizes):
+        td = d - offset
+        if table is None or td < 0 or t.shape[td] == 1:
+            continue
+        t = t.narrow(td, offsets[d], local_shape[d])
+    return t
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    """``dim`` in ``[0, ndim)``; raises IndexError like torch for out-of-range dims."""
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim % max(ndim, 1)
+
+
+def unshard_dims(x, dims, *, keep_partial: bool = False):
+    """Local tensor and spec of ``x`` laid out so that none of ``dims`` is sharded.
+
+    Each mesh dim that shards one of ``dims`` moves its shard to the largest
+    other tensor dim that is free (one all-to-all, memory stays O(local)); only
+    when no dim is free does it gather (Replicate). Pending reductions are
+    resolved unless ``keep_partial``. Use it for ops that need a whole dim
+    (softmax along the shard dim, cat along it, sort, ...), then bring the
+    result back with :func:`to_layout` if the output should keep ``x``'s layout.
+    """
+    from torch.distributed.tensor.placement_types import Shard
+
+    from ._redistribute import target_layout
+
+    spec = x._spec
+    ndim = len(spec.global_shape)
+    dims = {normalize_dim(d, ndim) for d in dims}
+    placements = list(spec.placements)
+    used = {p.dim for p in placements if p.is_shard() and p.dim not in dims}
+    for m, p in enumerate(placements):
+        if p.is_shard() and p.dim in dims:
+            free = [
+                e for e in range(ndim)
+                if e not in dims and e not in used and spec.global_shape[e] >= spec.mesh.size(m)
+            ]
+            if free:
+                e = max(free, key=lambda e: spec.global_shape[e])
+                placements[m] = Shard(e)
+                used.add(e)
+            else:
+                placements[m] = Replicate()
+        elif p.is_partial() and not keep_partial:
+            placements[m] = Replicate()
+    if tuple(placements) == spec.placements:
+        return x._local_tensor, spec
+    layout = target_layout(spec, placements)
+    new_spec = spec.with_layout(layout.placements, layout.dim_sizes)
+    return redistribute_local(x._local_tensor, spec, new_spec), new_spec
+
+
+def grad_like(result, spec):
+    """``result`` redistributed to the gradient layout of an input of layout ``spec``.
+
+    Sharded dims take the input's shard sizes. Where the input is replicated
+    (not pending) a pending sum may stay pending: it is reduced by whoever needs
+    the value, e.g. once by the promotion step of a plain weight. A result
+    already in that layout is returned as is, without building a spec.
+    """
+    from ._redistribute import grad_layout
+
+    target = grad_layout(spec)
+    src = result._spec
+    placements = tuple(
+        rp if isinstance(p, Replicate) and isinstance(rp, Partial) and rp.reduce_op in ("sum", "avg") else tp
+        for p, tp, rp in zip(spec.placements, target.placements, src.placements)
+    )
+    if placements == src.placements and target.dim_sizes == src.dim_sizes:
+        return result
+    dst = target.with_layout(placements, target.dim_sizes)
+    return wrap(redistribute_local(result._local_tensor, src, dst), dst)
+
+
+# --------------------------------------------------------------------------- #
+# Global metadata of a call
+# --------------------------------------------------------------------------- #
+def meta_output(func, args, kwargs):
+    """``func`` run on meta tensors of the global shapes.
+
+    Gives the global output and, for bad arguments, torch's own error, raised
+    identically on every rank (it depends only on global metadata) before any
+    communication starts. Memoised on the call's metadata: some meta kernels
+    are Python decompositions (``layer_norm``'s costs ~2 ms), and a model
+    makes the same calls every step. Callers only read the result's shapes.
+    """
+    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    key = tuple(_meta_leaf(a) for a in leaves)
+    try:
+        return _meta_call(func, tree, key)
+    except TypeError as unhashable:  # an argument without a hash: run it uncached
+        if "unhashable" not in str(unhashable):
+            raise
+        return _meta_call.__wrapped__(func, tree, key)
+
+
+@dataclass(frozen=True)
+class _MetaArg:
+    """A tensor argument of :func:`meta_output`, by its global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _meta_leaf(a):
+    if isinstance(a, shard_tensor_cls()):
+        return _MetaArg(tuple(a._spec.global_shape), a._local_tensor.dtype)
+    if isinstance(a, torch.Tensor):
+        return _MetaArg(tuple(a.shape), a.dtype)
+    return a
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_call(func, tree, key):
+    leaves = [torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, _MetaArg) else a for a in key]
+    margs, mkwargs = pytree.tree_unflatten(leaves, tree)
+    return func(*margs, **mkwargs)

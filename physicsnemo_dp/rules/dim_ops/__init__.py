@@ -1,0 +1,22 @@
+"""Ops along one dim: softmax, scans, sort/topk, flip/roll, and layer_norm over trailing dims.
+
+Along an unsharded dim every one of them is local and keeps the input's
+layout. Along a sharded dim each has either a dedicated sharded form that
+moves only what it needs (softmax, scans, topk, flip, roll) or the whole-dim
+fallback of ``_common.on_whole_dims`` (sort, layer_norm over a sharded
+normalized dim, nested-sharded flip/roll). Each submodule's docstring says
+what moves.
+
+``FUNCTIONS`` (from :mod:`.grad`) take over cumprod, cummax, cummin, sort and
+topk above autograd, because their ATen backward formulas scatter into plain
+full-size tensors.
+"""
+
+from __future__ import annotations
+
+from . import grad, norms, reorder, scans, select, softmax
+
+RULES: dict = {}
+for _module in (softmax, scans, select, reorder, norms):
+    RULES.update(_module.RULES)
+FUNCTIONS: dict = dict(grad.FUNCTIONS)

@@ -1,0 +1,218 @@
+"""Contractions (mm, bmm, mv, dot, addmm, baddbmm, addmv, matmul, linear, einsum).
+
+All of them are einsums (see :mod:`.labels`): sharded dims that stay in the
+output stay sharded, a sharded contracted dim gives a pending sum
+(``Partial("sum")``), and a dim sharded differently in two operands is
+redistributed in the smaller one. A replicated operand meeting a sharded one
+is only sliced, so ``x @ W`` with ``W`` replicated communicates nothing.
+
+Two levels:
+
+* ``FUNCTIONS`` (above autograd) for the public functions. ATen decomposes
+  ``linear``/``matmul``/``einsum`` on N-d inputs into reshapes that cross the
+  sharded dim, and the ATen backward formulas go through transposes; here the
+  whole op, forward and backward, is one :class:`.contract.Contraction`, whose
+  gradients come in the inputs' layouts (a replicated weight's gradient as a
+  pending sum that the promotion step all-reduces once).
+* ``RULES`` (below autograd) for the ATen ops that still reach the dispatcher
+  (calls with keyword tensors or ``out=``, other ops' backward formulas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import torch
+
+from ..._torch_compat import torch_function_disabled
+from ...promotion import Promote
+from ...rule_kit import shard_tensor_cls
+from .contract import Contraction, Equation, contract, output_shape
+from .einsum import parse_einsum
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Product:
+    """A matmul-like op: required operand ndims (None: matmul's rules) and whether it adds a bias."""
+
+    name: str
+    ndims: tuple | None
+    bias: bool = False
+
+
+_MATMUL = _Product("matmul", None)
+_MM, _BMM, _MV, _DOT = _Product("mm", (2, 2)), _Product("bmm", (3, 3)), _Product("mv", (2, 1)), _Product("dot", (1, 1))
+_ADDMM, _BADDBMM, _ADDMV = _Product("addmm", (2, 2), True), _Product("baddbmm", (3, 3), True), _Product("addmv", (2, 1), True)
+
+
+@lru_cache(maxsize=1024)
+def matmul_equation(name: str, a_shape, b_shape, *, batch_broadcasts: bool = True) -> Equation:
+    """Labels of ``a @ b`` with torch.matmul's rules (1-D operands, broadcast batch dims); memoised on int tuples."""
+    a_nd, b_nd = len(a_shape), len(b_shape)
+    if a_nd == 0 or b_nd == 0:
+        raise RuntimeError(f"{name}: both arguments need to be at least 1D, but they are {a_nd}D and {b_nd}D")
+    nb = max(a_nd - 2, b_nd - 2, 0)
+    batch = tuple(("batch", i) for i in range(nb))
+    a = ("k",) if a_nd == 1 else batch[nb - (a_nd - 2) :] + ("n", "k")
+    b = ("k",) if b_nd == 1 else batch[nb - (b_nd - 2) :] + ("k", "m")
+    out = batch + (("n",) if a_nd > 1 else ()) + (("m",) if b_nd > 1 else ())
+    _check_sizes(name, (a_shape, b_shape), (a, b), broadcast=batch if batch_broadcasts else ())
+    return Equation((a, b), out)
+
+
+@lru_cache(maxsize=1024)
+def linear_equation(x_shape, w_shape) -> Equation:
+    """Labels of ``F.linear(x, w)``: ``x @ w.T`` over any leading dims of ``x`` (memoised on int tuples)."""
+    if len(x_shape) == 0 or len(w_shape) not in (1, 2):
+        raise RuntimeError(
+            f"linear: input must be at least 1-D and weight 1-D or 2-D, got {len(x_shape)}-D and {len(w_shape)}-D"
+        )
+    lead = tuple(("lead", i) for i in range(len(x_shape) - 1))
+    x, w = lead + ("in",), ("out", "in")[2 - len(w_shape) :]
+    _check_sizes("linear", (x_shape, w_shape), (x, w), broadcast=())
+    return Equation((x, w), lead + w[:-1])
+
+
+def _check_sizes(name, shapes, labels, broadcast):
+    """Shared dims must have equal sizes (only ``broadcast`` labels may be 1 on one side)."""
+    seen: dict = {}
+    for shape, labs in zip(shapes, labels):
+        for n, lab in zip(shape, labs):
+            m = seen.setdefault(lab, n)
+            if m != n and not (lab in broadcast and 1 in (m, n)):
+                shown = " and ".join("x".join(map(str, s)) for s in shapes)
+                raise RuntimeError(f"{name}: shapes cannot be multiplied ({shown})")
+            if m == 1:
+                seen[lab] = n
+
+
+def _check_bias(name, bias_shape, out_shape):
+    if len(bias_shape) > len(out_shape) or any(
+        b not in (1, o) for b, o in zip(reversed(bias_shape), reversed(out_shape))
+    ):
+        raise RuntimeError(f"{name}: the added tensor of shape {tuple(bias_shape)} does not broadcast to {tuple(out_shape)}")
+
+
+def _product_equation(op: _Product, a_shape, b_shape) -> Equation:
+    if op.ndims is not None and (len(a_shape), len(b_shape)) != op.ndims:
+        raise RuntimeError(
+            f"{op.name}: expected {op.ndims[0]}-D and {op.ndims[1]}-D tensors, got {len(a_shape)}-D and {len(b_shape)}-D"
+        )
+    return matmul_equation(op.name, a_shape, b_shape, batch_broadcasts=op.ndims is None)
+
+
+def _shape(t):
+    """Global shape of a ShardTensor (or None) from its spec: ``t.shape`` would be a ``__torch_function__`` call."""
+    return None if t is None else t._spec.global_shape
+
+
+def _replicated(t, mesh):
+    """A plain tensor that reached a contraction (a 0-d one, never promoted) as a Replicate ShardTensor."""
+    if isinstance(t, shard_tensor_cls()) or t is None:
+        return t
+    return Promote.apply(t, mesh)
+
+
+def _parse_product(op: _Product, args, kwargs):
+    """``(bias, a, b, beta, alpha)``, or None for call forms left to the default path."""
+    n = 3 if op.bias else 2
+    if len(args) != n or set(kwargs) - ({"beta", "alpha"} if op.bias else set()):
+        return None
+    bias, (a, b) = (args[0], args[1:]) if op.bias else (None, args)
+    return bias, a, b, kwargs.get("beta", 1), kwargs.get("alpha", 1)
+
+
+def _run_product(op: _Product, args, kwargs, differentiable: bool):
+    bias, a, b, beta, alpha = _parse_product(op, args, kwargs)
+    mesh = next(x for x in (a, b) if isinstance(x, shard_tensor_cls())).device_mesh
+    a, b, bias = (_replicated(t, mesh) for t in (a, b, bias))
+    eq = _product_equation(op, _shape(a), _shape(b))
+    if bias is not None:
+        _check_bias(op.name, _shape(bias), output_shape(eq, (_shape(a), _shape(b))))
+    if differentiable:
+        return Contraction.apply(eq, alpha, beta, bias, a, b)
+    return contract(eq, (a, b), bias=bias, alpha=alpha, beta=beta)
+
+
+def _default(func, args, kwargs):
+    with torch_function_disabled():
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- #
+# Function-level handlers
+# --------------------------------------------------------------------------- #
+def _product_handler(op: _Product, func, types, args, kwargs):
+    if _parse_product(op, args, kwargs) is None:
+        return _default(func, args, kwargs)
+    return _run_product(op, args, kwargs, differentiable=True)
+
+
+def _linear_handler(func, types, args, kwargs):
+    names = ("input", "weight", "bias")
+    bound = dict(zip(names, args), **kwargs)
+    if len(args) > 3 or set(bound) - set(names) or "weight" not in bound:
+        return _default(func, args, kwargs)
+    x, w, bias = bound["input"], bound["weight"], bound.get("bias")
+    mesh = next(t for t in (x, w, bias) if isinstance(t, shard_tensor_cls())).device_mesh
+    x, w, bias = (_replicated(t, mesh) for t in (x, w, bias))
+    eq = linear_equation(_shape(x), _shape(w))
+    if bias is not None:
+        _check_bias("linear", _shape(bias), output_shape(eq, (_shape(x), _shape(w))))
+    return Contraction.apply(eq, 1, 1, bias, x, w)
+
+
+def _einsum_handler(func, types, args, kwargs):
+    if kwargs or not args or not isinstance(args[0], str):
+        return _default(func, args, kwargs)  # sublist format: left to ATen's decomposition
+    operands = args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    mesh = next(t for t in operands if isinstance(t, shard_tensor_cls())).device_mesh
+    operands = tuple(_replicated(t, mesh) for t in operands)
+    eq = parse_einsum(args[0], tuple(len(_shape(t)) for t in operands))
+    return Contraction.apply(eq, 1, 1, None, *operands)
+
+
+def _product_functions():
+    table = {
+        _MATMUL: (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__),
+        _MM: (torch.mm, torch.Tensor.mm),
+        _BMM: (torch.bmm, torch.Tensor.bmm),
+        _MV: (torch.mv, torch.Tensor.mv),
+        _DOT: (torch.dot, torch.Tensor.dot),
+        _ADDMM: (torch.addmm, torch.Tensor.addmm),
+        _BADDBMM: (torch.baddbmm, torch.Tensor.baddbmm),
+        _ADDMV: (torch.addmv, torch.Tensor.addmv),
+    }
+    return {f: partial(_product_handler, op) for op, funcs in table.items() for f in funcs}
+
+
+FUNCTIONS: dict = {
+    **_product_functions(),
+    torch.nn.functional.linear: _linear_handler,
+    torch.einsum: _einsum_handler,
+}
+
+
+# --------------------------------------------------------------------------- #
+# Dispatch rules
+# --------------------------------------------------------------------------- #
+def _product_rule(op: _Product, func, args, kwargs):
+    if _parse_product(op, args, kwargs) is None:
+        raise NotImplementedError(f"{func}: unexpected arguments for a ShardTensor contraction")
+    return _run_product(op, args, kwargs, differentiable=False)
+
+
+RULES: dict = {
+    aten.mm.default: partial(_product_rule, _MM),
+    aten.bmm.default: partial(_product_rule, _BMM),
+    aten.mv.default: partial(_product_rule, _MV),
+    aten.dot.default: partial(_product_rule, _DOT),
+    aten.addmm.default: partial(_product_rule, _ADDMM),
+    aten.baddbmm.default: partial(_product_rule, _BADDBMM),
+    aten.addmv.default: partial(_product_rule, _ADDMV),
+}

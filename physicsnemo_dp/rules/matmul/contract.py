@@ -1,0 +1,153 @@
+"""Running a planned contraction on local tensors, and its autograd Function.
+
+:func:`contract` brings each operand to the layout the plan gives it, runs
+the contraction on the local pieces (with the plain op's kernel, see
+:mod:`.local`) and wraps the result. It computes
+``alpha * einsum(...) + beta * bias`` so that ``addmm``-style ops and
+``linear`` with a bias are one step: the bias is laid out like the result (a
+pending-sum result gets the bias on one rank of the group only).
+
+Everything but the local kernels and the redistributions is metadata, read
+from the specs (never through ShardTensor attributes such as ``.shape``, each
+of which is a ``__torch_function__`` call) and memoised where it is pure: the
+plan (:func:`.labels.plan_contraction`) and the local program.
+
+:class:`Contraction` makes that differentiable above autograd. Its backward is
+made of contractions too (the gradient of an einsum operand is an einsum of
+the output gradient with the other operands), planned with the operand's own
+layout as the preferred output layout, so gradients usually arrive in the
+inputs' layouts without communication. Where an input is replicated, its
+gradient may stay a pending sum (``Partial``): a plain weight promoted at the
+function layer then gets it all-reduced once, by the promotion step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from ..._redistribute import grad_layout, redistribute_local
+from ..._torch_compat import Function
+from ...rule_kit import grad_like, shard_tensor_cls, wrap
+from .labels import NO_FREE, label_extents, plan_contraction
+from .local import local_program
+
+
+@dataclass(frozen=True)
+class Equation:
+    """Labels of each operand and of the output (a bias, if any, takes a suffix of ``out``)."""
+
+    operands: tuple
+    out: tuple
+
+
+def contract(eq: Equation, operands, *, bias=None, alpha=1, beta=1, out_shape=None, prefer=None):
+    """``alpha * einsum(eq)(operands) + beta * bias`` on ShardTensors (not differentiable)."""
+    specs = [x._spec for x in operands]
+    shapes = tuple(s.global_shape for s in specs)
+    out_shape = output_shape(eq, shapes) if out_shape is None else tuple(out_shape)
+    plan = plan_contraction(specs, eq.operands, eq.out, out_shape, prefer=prefer)
+    locals_ = [_local_in(x, layout) for x, layout in zip(operands, plan.operands)]
+    placements, dim_sizes = plan.out
+    # The kernels' dtype (they take operands of one dtype); wrap() re-types the spec if alpha or the bias promote it.
+    out_spec = type(specs[0]).from_sizes(specs[0].mesh, placements, out_shape, locals_[0].dtype, dim_sizes)
+    bias_local = None
+    if bias is not None and beta != 0:
+        bias_local = _bias_local(bias, placements, dim_sizes, len(out_shape))
+    program = local_program(eq, shapes, out_shape, None if bias_local is None else bias_local.ndim)
+    return wrap(program.run(locals_, out_spec, bias_local, alpha, beta), out_spec)
+
+
+@lru_cache(maxsize=1024)
+def output_shape(eq: Equation, shapes) -> tuple[int, ...]:
+    """Global shape of the result (operands' sizes, broadcast); ``shapes`` a tuple of int tuples."""
+    ext = label_extents(shapes, eq.operands)
+    return tuple(ext[lab] for lab in eq.out)
+
+
+def _local_in(x, layout):
+    placements, dim_sizes = layout
+    if x._spec.placements == placements and x._spec.dim_sizes == dim_sizes:
+        return x._local_tensor
+    return redistribute_local(x._local_tensor, x._spec, x._spec.with_layout(placements, dim_sizes))
+
+
+def _bias_local(bias, out_placements, out_dim_sizes, out_ndim):
+    """The bias's local piece laid out like the output (right-aligned broadcasting)."""
+    bias_shape = bias._spec.global_shape
+    offset = out_ndim - len(bias_shape)
+    placements, dim_sizes = [], [None] * len(bias_shape)
+    for p in out_placements:
+        d = p.dim - offset if isinstance(p, Shard) else -1
+        if isinstance(p, Shard) and d >= 0 and bias_shape[d] != 1:
+            placements.append(Shard(d))
+            dim_sizes[d] = out_dim_sizes[p.dim]
+        elif isinstance(p, Partial):
+            placements.append(p)  # added on one rank of the group: the sum stays exact
+        else:
+            placements.append(Replicate())
+    return _local_in(bias, (tuple(placements), tuple(dim_sizes)))
+
+
+# --------------------------------------------------------------------------- #
+# Gradients
+# --------------------------------------------------------------------------- #
+def _prefer(spec, labels):
+    """Plan hint: shard the gradient like the input, nothing else."""
+    return tuple(
+        (labels[p.dim], spec.dim_sizes[p.dim]) if isinstance(p, Shard) else NO_FREE for p in spec.placements
+    )
+
+
+def _grad_of(target_labels, target_spec, tensors, labels, scale):
+    """Gradient of one input: an einsum of the output gradient with the other operands."""
+    sub_eq = Equation(tuple(labels), tuple(target_labels))
+    g = contract(
+        sub_eq,
+        tensors,
+        alpha=scale,
+        out_shape=target_spec.global_shape,
+        prefer=_prefer(target_spec, target_labels),
+    )
+    return grad_like(g, target_spec)
+
+
+class Contraction(Function):
+    """Differentiable :func:`contract` over ShardTensors (``forward`` + ``setup_context`` style)."""
+
+    @staticmethod
+    def forward(eq, alpha, beta, bias, *operands):
+        return contract(eq, operands, bias=bias, alpha=alpha, beta=beta)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        eq, alpha, beta, bias, *operands = inputs
+        ctx.eq, ctx.alpha, ctx.beta = eq, alpha, beta
+        ctx.bias_spec = None if bias is None else bias._spec
+        ctx.out_spec = output._spec
+        ctx.save_for_backward(*operands)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        ShardTensor = shard_tensor_cls()
+        if not isinstance(grad, ShardTensor):
+            grad = wrap(grad, grad_layout(ctx.out_spec))
+        eq, operands = ctx.eq, ctx.saved_tensors
+        grads = []
+        for k, x in enumerate(operands):
+            if not ctx.needs_input_grad[4 + k]:
+                grads.append(None)
+                continue
+            others = [(y, eq.operands[j]) for j, y in enumerate(operands) if j != k]
+            tensors = [grad] + [y for y, _ in others]
+            labels = [eq.out] + [labs for _, labs in others]
+            grads.append(_grad_of(eq.operands[k], x._spec, tensors, labels, ctx.alpha))
+        grad_bias = None
+        if ctx.bias_spec is not None and ctx.needs_input_grad[3]:
+            bias_labels = eq.out[len(eq.out) - len(ctx.bias_spec.global_shape) :]
+            grad_bias = _grad_of(bias_labels, ctx.bias_spec, [grad], [eq.out], ctx.beta)
+        return None, None, None, grad_bias, *grads

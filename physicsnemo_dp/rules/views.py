@@ -1,0 +1,285 @@
+"""View and shape ops: the shard dim moves with the data.
+
+``view``/``_unsafe_view`` (what ``reshape``, ``flatten``, ``unflatten`` and
+``view_as`` become), ``unsqueeze``, ``squeeze`` (all overloads), ``permute``
+(also ``movedim``), ``transpose``/``t`` and ``expand`` (also ``expand_as``,
+``broadcast_to``). Global shape arguments are evaluated on a meta tensor of
+the global shape, so ``-1`` inference and error messages are torch's own, and
+then translated to this rank's local shape.
+
+Communication, per op:
+
+* ``permute``/``transpose``/``t``/``unsqueeze``: none; shard dims are renumbered.
+* ``view``: none when every sharded dim is the outermost dim of its reshape
+  group and the shard sizes divide into whole output rows (merging always,
+  splitting when every shard divides by the inner product; see
+  :mod:`physicsnemo_dp._reshape`). Otherwise one all-to-all first moves the
+  offending shard to a dim that can carry it (its group's head, rebalanced
+  into whole units, or another group's head), and only when no dim can does
+  it gather (all-gather-v).
+* ``squeeze``: none, unless a dropped size-1 dim is sharded; that shard moves
+  to the largest free dim first (all-to-all; gather if there is none).
+* ``expand``: none; a Replicate tensor stays a stride-0 view. Expanding a
+  sharded size-1 dim first moves its shard elsewhere like ``squeeze``.
+
+* ``view(dtype)``: none; each shard is reinterpreted on its own. Different
+  element sizes scale the last dim, so a sharded last dim needs every shard's
+  extent to divide into whole elements of the wider dtype (else PlacementError).
+
+Pending reductions (``Partial``) pass through all of them: views are linear.
+``view(dtype)`` is the exception: the bits of a sum are not the sum of the
+bits, so a Partial input is reduced first (one all-reduce).
+``as_strided`` is refused with an error: strides of the global tensor do not
+describe any rank's local memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Shard
+
+from .._redistribute import redistribute_local
+from .._reshape import compatible_layout, output_layout
+from ..errors import PlacementError
+from ..rule_kit import normalize_dim, resolve_partial, unshard_dims, wrap
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------- #
+# Helpers shared with the join/split rules
+# --------------------------------------------------------------------------- #
+def meta_like(x) -> torch.Tensor:
+    """A meta tensor with ``x``'s global shape and dtype (for torch's own shape checks)."""
+    spec = x._spec
+    return torch.empty(spec.global_shape, dtype=spec.tensor_meta.dtype, device="meta")
+
+
+def derived_spec(spec, placements, global_shape, dim_sizes):
+    """Spec on ``spec``'s mesh with ``spec``'s dtype and a new shape and layout."""
+    return type(spec).from_sizes(spec.mesh, placements, global_shape, spec.tensor_meta.dtype, dim_sizes)
+
+
+def renumber(placements, mapping):
+    """Placements with each ``Shard(d)`` moved to ``Shard(mapping[d])``."""
+    return tuple(Shard(mapping[p.dim]) if p.is_shard() else p for p in placements)
+
+
+def without_dim(placements, dim_sizes, dim: int):
+    """Placements and tables after dropping unsharded tensor dim ``dim``."""
+    ndim = len(dim_sizes)
+    mapping = {d: d - (d > dim) for d in range(ndim) if d != dim}
+    return renumber(placements, mapping), dim_sizes[:dim] + dim_sizes[dim + 1 :]
+
+
+def with_new_dim(placements, dim_sizes, dim: int):
+    """Placements and tables after inserting an unsharded tensor dim at ``dim``."""
+    mapping = {d: d + (d >= dim) for d in range(len(dim_sizes))}
+    return renumber(placements, mapping), dim_sizes[:dim] + (None,) + dim_sizes[dim:]
+
+
+def ndim_of(x) -> int:
+    """Number of dims of ShardTensor ``x`` (read from its spec, not through torch-function)."""
+    return len(x._spec.global_shape)
+
+
+def _sharded(spec, dims) -> list[int]:
+    return [d for d in dims if spec.dim_sizes[d] is not None]
+
+
+# --------------------------------------------------------------------------- #
+# view / _unsafe_view
+# --------------------------------------------------------------------------- #
+def reshape_local(x, out_shape):
+    """This rank's local tensor and spec of ``x`` reshaped to global ``out_shape``."""
+    spec, local = x._spec, x._local_tensor
+    in_shape = spec.global_shape
+    layout = output_layout(in_shape, out_shape, spec.placements, spec.dim_sizes)
+    if layout is None:
+        placements, tables = compatible_layout(
+            in_shape, out_shape, spec.placements, spec.dim_sizes, spec.mesh_shape
+        )
+        moved = spec.with_layout(placements, tables)
+        local, spec = redistribute_local(local, spec, moved), moved
+        layout = output_layout(in_shape, out_shape, spec.placements, spec.dim_sizes)
+    out_spec = derived_spec(spec, layout[0], out_shape, layout[1])
+    # reshape aliases whenever a view is possible, like the global op.
+    return local.reshape(tuple(out_spec.local_shape)), out_spec
+
+
+def _view(func, args, kwargs):
+    x, size = args[0], args[1]
+    out_shape = tuple(func(meta_like(x), size).shape)
+    return wrap(*reshape_local(x, out_shape))
+
+
+# --------------------------------------------------------------------------- #
+# view(dtype)
+# --------------------------------------------------------------------------- #
+def _dim_sizes_as(spec, dtype, old_size: int, new_size: int):
+    """Size tables after viewing ``spec``'s elements as ``dtype``: only the last dim's scale.
+
+    Only metadata every rank holds decides, so a refusal is the same on every rank.
+    """
+    if old_size == new_size or spec.dim_sizes[-1] is None:
+        return spec.dim_sizes
+    table = spec.dim_sizes[-1]
+    if old_size > new_size:
+        return spec.dim_sizes[:-1] + (tuple(n * (old_size // new_size) for n in table),)
+    ratio = new_size // old_size
+    if any(n % ratio for n in table):
+        raise PlacementError(
+            f"view(dtype={dtype}) packs {ratio} {spec.tensor_meta.dtype} elements into one along the "
+            f"last dim, which is sharded with shard sizes {list(table)}: each must be a multiple of "
+            f"{ratio}. Redistribute first (x.redistribute(placements=...)) so that the last dim is "
+            f"not sharded or is split in multiples of {ratio}."
+        )
+    return spec.dim_sizes[:-1] + (tuple(n // ratio for n in table),)
+
+
+def _reinterpretable(local, dtype, old_size: int, new_size: int) -> bool:
+    """Whether this rank's memory allows ``local.view(dtype)`` (torch's own conditions).
+
+    The global tensor is contiguous, but a local piece can be a strided view
+    (after a transpose or a slice) or an empty shard whose strides torch refuses,
+    so this differs between ranks and must not decide anything visible.
+    """
+    if old_size == new_size:
+        return True
+    if local.numel() == 0 or local.stride(-1) != 1:
+        return False
+    ratio = new_size // old_size
+    return new_size < old_size or (
+        local.storage_offset() % ratio == 0 and all(s % ratio == 0 for s in local.stride()[:-1])
+    )
+
+
+def _view_dtype(func, args, kwargs):
+    x, dtype = args
+    out_shape = tuple(func(meta_like(x), dtype).shape)  # torch's own checks and messages
+    old_size, new_size = x._spec.tensor_meta.dtype.itemsize, dtype.itemsize
+    tables = _dim_sizes_as(x._spec, dtype, old_size, new_size)
+    local, spec = resolve_partial(x) if dtype != x._spec.tensor_meta.dtype else (x._local_tensor, x._spec)
+    out_spec = type(spec).from_sizes(spec.mesh, spec.placements, out_shape, dtype, tables)
+    if _reinterpretable(local, dtype, old_size, new_size):
+        return wrap(func(local, dtype), out_spec)
+    if local.numel() == 0:
+        return wrap(local.new_empty(tuple(out_spec.local_shape), dtype=dtype), out_spec)
+    # Like reshape: a copy where this rank's memory cannot be viewed, an alias elsewhere.
+    return wrap(func(local.clone(memory_format=torch.contiguous_format), dtype), out_spec)
+
+
+# --------------------------------------------------------------------------- #
+# permute / transpose / t
+# --------------------------------------------------------------------------- #
+def _permuted(x, perm, local):
+    spec = x._spec
+    inverse = {d: i for i, d in enumerate(perm)}
+    placements = renumber(spec.placements, inverse)
+    tables = tuple(spec.dim_sizes[d] for d in perm)
+    shape = tuple(spec.global_shape[d] for d in perm)
+    return wrap(local, derived_spec(spec, placements, shape, tables))
+
+
+def _permute(func, args, kwargs):
+    x, dims = args[0], args[1]
+    func(meta_like(x), dims)
+    perm = [normalize_dim(d, ndim_of(x)) for d in dims]
+    return _permuted(x, perm, func(x._local_tensor, dims))
+
+
+def _transpose(func, args, kwargs):
+    x, *dims = args
+    func(meta_like(x), *dims)
+    perm = list(range(ndim_of(x)))
+    if func is aten.t.default:
+        perm.reverse()
+    else:
+        a, b = (normalize_dim(d, len(perm)) for d in dims)
+        if perm:
+            perm[a], perm[b] = perm[b], perm[a]
+    return _permuted(x, perm, func(x._local_tensor, *dims))
+
+
+# --------------------------------------------------------------------------- #
+# unsqueeze / squeeze
+# --------------------------------------------------------------------------- #
+def _unsqueeze(func, args, kwargs):
+    x, dim = args
+    func(meta_like(x), dim)
+    d = normalize_dim(dim, ndim_of(x) + 1)
+    spec = x._spec
+    placements, tables = with_new_dim(spec.placements, spec.dim_sizes, d)
+    shape = spec.global_shape[:d] + (1,) + spec.global_shape[d:]
+    return wrap(x._local_tensor.unsqueeze(d), derived_spec(spec, placements, shape, tables))
+
+
+def _squeeze(func, args, kwargs):
+    x, *dims = args
+    func(meta_like(x), *dims)
+    local, spec = x._local_tensor, x._spec
+    ndim = len(spec.global_shape)
+    if not dims:
+        dims = range(ndim)
+    elif isinstance(dims[0], int):
+        dims = dims[:1]
+    else:
+        dims = dims[0]
+    drop = sorted({normalize_dim(d, ndim) for d in dims} if ndim else ())
+    drop = [d for d in drop if spec.global_shape[d] == 1]
+    if _sharded(spec, drop):
+        local, spec = unshard_dims(x, drop, keep_partial=True)
+    keep = [d for d in range(ndim) if d not in drop]
+    mapping = {d: i for i, d in enumerate(keep)}
+    placements = renumber(spec.placements, mapping)
+    tables = tuple(spec.dim_sizes[d] for d in keep)
+    shape = tuple(spec.global_shape[d] for d in keep)
+    return wrap(local.squeeze(tuple(drop)), derived_spec(spec, placements, shape, tables))
+
+
+# --------------------------------------------------------------------------- #
+# expand
+# --------------------------------------------------------------------------- #
+def _expand(func, args, kwargs):
+    x, size, *rest = args
+    out_shape = tuple(func(meta_like(x), size, *rest, **kwargs).shape)
+    local, spec = x._local_tensor, x._spec
+    ndim = len(spec.global_shape)
+    lead = len(out_shape) - ndim
+    grown = [d for d in range(ndim) if spec.global_shape[d] != out_shape[lead + d]]
+    if _sharded(spec, grown):
+        local, spec = unshard_dims(x, grown, keep_partial=True)
+    local_shape = spec.local_shape
+    local_size = list(out_shape[:lead]) + [
+        out_shape[lead + d] if d in grown else local_shape[d] for d in range(ndim)
+    ]
+    placements = renumber(spec.placements, {d: d + lead for d in range(ndim)})
+    tables = (None,) * lead + tuple(spec.dim_sizes)
+    out = func(local, local_size, *rest, **kwargs)
+    return wrap(out, derived_spec(spec, placements, out_shape, tables))
+
+
+def _as_strided(func, args, kwargs):
+    raise NotImplementedError(
+        f"ShardTensor does not support {func}: strides of the global tensor do not describe "
+        "any rank's local memory. Use view/reshape/permute/narrow (which ShardTensor translates), "
+        "or gather first with x.full_tensor()."
+    )
+
+
+RULES: dict = {
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.view.dtype: _view_dtype,
+    aten.permute.default: _permute,
+    aten.transpose.int: _transpose,
+    aten.t.default: _transpose,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.default: _squeeze,
+    aten.squeeze.dim: _squeeze,
+    aten.squeeze.dims: _squeeze,
+    aten.expand.default: _expand,
+    aten.as_strided.default: _as_strided,
+    aten.as_strided_.default: _as_strided,
+}
+FUNCTIONS: dict = {}

@@ -35,6 +35,8 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce",
     "broadcast",
+    "wire_view",
+    "check_reducible",
     "wait",
     "current_mesh",
     "traced",
@@ -151,29 +153,153 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# --------------------------------------------------------------------------- #
+# dtypes the backends cannot carry
+# --------------------------------------------------------------------------- #
+# Backends have a kernel per dtype and refuse the others ("Invalid scalar
+# type"). Measured with torch 2.13 on gloo (2 ranks, functional collectives):
+# all_to_all_single refuses complex; every collective refuses int16, uint16,
+# uint32, uint64 and float8; a bool all_reduce sum returns invalid bools (byte
+# 2); send/recv moves anything. NCCL has no int16 either. Every collective wrapper below therefore hands the backend a
+# stand-in of the same bytes (data movement) or of a wider dtype (reductions)
+# and returns the caller's dtype, so callers never see the difference.
+
+#: Dtypes gloo and NCCL move and reduce as they are (but see bool sums in
+#: :func:`_reduction_wire`).
+_NATIVE = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool}
+)
+
+#: A native dtype of each element size: moving bytes through it is bit-exact
+#: (data movement never does arithmetic, so float16 carries int16 payloads,
+#: NaN patterns included).
+_SAME_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
+
+#: Reductions of dtypes no backend reduces run in a wider native dtype that
+#: holds every value exactly; casting the result back wraps integers modulo
+#: 2**bits, which is what torch's own integer addition does.
+_WIDER = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    **{d: torch.float32 for d in (torch.float8_e4m3fn, torch.float8_e5m2)},
+}
+
+#: Signed twins of unsigned dtypes: the bits of a sum are the same in both.
+_SIGNED_TWIN = {torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+#: Per backend name, the dtypes it reduces natively beyond ``_NATIVE`` (none
+#: known for gloo and NCCL; a backend listed here skips the widening cast).
+_REDUCES_ALSO: dict = {"gloo": frozenset(), "nccl": frozenset()}
+
+
+def _same_size_wire(tensor: torch.Tensor):
+    """``(stand-in, restore)`` for moving ``tensor``'s bytes; ``restore`` is None when it travels as it is.
+
+    Views only (free): complex as ``view_as_real`` (a trailing dim of 2, so
+    row splits along dim 0 and a non-negative gather dim keep their meaning),
+    other dtypes as the native dtype of their element size (same shape, 0-dim
+    too). The stand-in shares ``tensor``'s memory when it is contiguous, so a
+    receive buffer's stand-in fills the buffer itself.
+    """
+    dtype = tensor.dtype
+    if dtype in _NATIVE:
+        return tensor, None
+    if dtype.is_complex:
+        return torch.view_as_real(tensor.resolve_conj().contiguous()), torch.view_as_complex
+    return tensor.contiguous().view(_SAME_SIZE[dtype.itemsize]), lambda out: out.view(dtype)
+
+
+def wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a dtype every backend moves (for point-to-point, which has no wrapper here)."""
+    return _same_size_wire(tensor)[0]
+
+
+def check_reducible(dtype: torch.dtype, reduce_op: str) -> None:
+    """Refuse a reduction no stand-in can compute, before any rank enters the collective.
+
+    Every rank holds the same dtype, so every rank raises alike instead of
+    one failing inside the backend while the others wait for it.
+    """
+    if dtype.is_complex and reduce_op in ("max", "min"):
+        raise TypeError(f"a {reduce_op!r} reduction of {dtype} is undefined: complex numbers have no order")
+    if dtype in _NATIVE or dtype.is_complex or dtype in _WIDER or (reduce_op == "sum" and dtype in _SIGNED_TWIN):
+        return
+    raise TypeError(f"a {reduce_op!r} reduction of {dtype} is unsupported: no backend reduces it and no wider dtype holds it")
+
+
+def _reduction_wire(tensor: torch.Tensor, reduce_op: str, mesh, mesh_dim):
+    """``(stand-in, op, restore)`` for reducing ``tensor``: free views where the arithmetic allows, else a widening cast.
+
+    A bool sum is a logical or, as ``a + b`` of bool tensors is in torch (and
+    as NCCL computes it); gloo instead adds the bytes and returns bools whose
+    byte is 2 (measured), which later ops misread. It runs as a ``max`` of the
+    bytes: exact for any number of ranks, no cast. Complex sums are componentwise, so ``view_as_real`` is exact. Unsigned
+    32/64-bit sums are bitwise the signed ones (two's complement addition is
+    modular), so a same-size view is exact too. Otherwise the dtype is cast
+    to :data:`_WIDER`, only for backends that cannot reduce it as it is (a
+    cast is not free). ``avg`` never gets here: :mod:`physicsnemo_dp.collectives`
+    sums and divides, as gloo has no avg.
+    """
+    dtype = tensor.dtype
+    check_reducible(dtype, reduce_op)
+    if dtype == torch.bool and reduce_op == "sum":
+        return tensor.contiguous().view(torch.uint8), "max", lambda out: out.view(torch.bool)
+    if dtype in _NATIVE:
+        return tensor, reduce_op, None
+    if dtype.is_complex:
+        return torch.view_as_real(tensor.resolve_conj().contiguous()), reduce_op, torch.view_as_complex
+    if reduce_op == "sum" and dtype in _SIGNED_TWIN:
+        return tensor.contiguous().view(_SIGNED_TWIN[dtype]), reduce_op, lambda out: out.view(dtype)
+    if dtype in _REDUCES_ALSO.get(_backend_name(mesh, mesh_dim), frozenset()):
+        return tensor, reduce_op, None
+    return tensor.to(_WIDER[dtype]), reduce_op, lambda out: out.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_name(mesh, mesh_dim: int) -> str:
+    """The backend of ``mesh_dim``'s process group (asked once per mesh dim: only widening casts need it)."""
+    return str(torch.distributed.get_backend(mesh.get_group(mesh_dim)))
+
+
+def _restored(out: torch.Tensor, restore) -> torch.Tensor:
+    return out if restore is None else restore(out)
+
+
+# The dtype translation runs inside ``_in_its_pass()`` with the collective, so
+# a traced backward keeps the views and casts next to it.
 def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_dim):
     with _in_its_pass():
-        return wait(
+        wire, restore = _same_size_wire(tensor)
+        out = wait(
             funcol.all_to_all_single(
-                tensor, list(output_split_sizes), list(input_split_sizes), _group(mesh, mesh_dim)
+                wire, list(output_split_sizes), list(input_split_sizes), _group(mesh, mesh_dim)
             )
         )
+        return _restored(out, restore)
 
 
 def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim):
+    gather_dim %= max(tensor.ndim, 1)  # counted from the front: a complex stand-in has one more (trailing) dim
     with _in_its_pass():
-        return wait(funcol.all_gather_single(tensor, gather_dim, _group(mesh, mesh_dim)))
+        wire, restore = _same_size_wire(tensor)
+        out = wait(funcol.all_gather_single(wire, gather_dim, _group(mesh, mesh_dim)))
+        return _restored(out, restore)
 
 
 def all_reduce(tensor, reduce_op: str, mesh, mesh_dim):
     with _in_its_pass():
-        return wait(funcol.all_reduce(tensor, reduce_op, _group(mesh, mesh_dim)))
+        wire, op, restore = _reduction_wire(tensor, reduce_op, mesh, mesh_dim)
+        out = wait(funcol.all_reduce(wire, op, _group(mesh, mesh_dim)))
+        return _restored(out, restore)
 
 
 def broadcast(tensor, src_group_rank: int, mesh, mesh_dim):
     # The functional op takes the source's rank *within the group*.
     with _in_its_pass():
-        return wait(funcol.broadcast(tensor, src_group_rank, _group(mesh, mesh_dim)))
+        wire, restore = _same_size_wire(tensor)
+        out = wait(funcol.broadcast(wire, src_group_rank, _group(mesh, mesh_dim)))
+        return _restored(out, restore)
 
 
 def current_mesh():

@@ -16,6 +16,10 @@ ranks; ``bytes_sent`` what this rank contributes to others. For gathers and
 all-to-alls these are exact. For ``all_reduce`` the figure is the volume of a
 bandwidth-optimal ring (``2 (P-1)/P * n``), the lower bound for that
 collective, because the backend's algorithm is not observable from Python.
+Bytes are logical: elements times the caller's dtype size. Dtypes a backend
+cannot carry travel as a same-size view (the same bytes) or, for reductions of
+int16-like dtypes, widened (more bytes on the wire than counted); see the
+collective wrappers in :mod:`physicsnemo_dp._torch_compat`.
 
 Collectives are functional (``torch.distributed._functional_collectives``
 addressed by ``(mesh, mesh_dim)``) so they stay traceable by ``torch.compile``.
@@ -200,6 +204,7 @@ def reduce_scatter_v(
     Each rank sends piece ``j`` to rank ``j`` once and reduces what arrives:
     ``(P-1) * piece`` bytes in, the minimum for a reduce-scatter.
     """
+    tc.check_reducible(local.dtype, reduce_op)
     group = mesh.size(mesh_dim)
     me = mesh.get_local_rank(mesh_dim)
     sizes = [int(s) for s in sizes]
@@ -217,6 +222,11 @@ def reduce_scatter_v(
 
 
 def _reduce_stack(stacked: torch.Tensor, reduce_op: str, group: int) -> torch.Tensor:
+    if reduce_op == "sum" and not (stacked.is_floating_point() or stacked.is_complex()):
+        # The sum of Partial integer (or bool) tensors keeps their dtype, as
+        # ``a + b`` does (wrapping; a logical or for bool) and all_reduce does;
+        # ``sum(0)`` alone would promote to int64.
+        return stacked.sum(0, dtype=stacked.dtype)
     if reduce_op == "sum":
         return stacked.sum(0)
     if reduce_op == "avg":
@@ -234,6 +244,7 @@ def _finish_reduce(t: torch.Tensor, reduce_op: str, group: int) -> torch.Tensor:
 
 def all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Reduce over ``mesh_dim``; ``reduce_op`` is one of sum, avg, max, min."""
+    tc.check_reducible(tensor.dtype, reduce_op)  # on one rank too: what is refused must not depend on the mesh
     group = mesh.size(mesh_dim)
     ring = _nbytes(tensor.numel(), tensor.dtype) * 2 * (group - 1) // max(group, 1)
     _record("all_reduce", ring, ring)
@@ -322,10 +333,14 @@ def send_recv(
     received = [torch.empty(tuple(shape), dtype=dtype, device=mesh_device(mesh)) for shape, dtype in recv_like]
     sent = [t.contiguous() for t in send if t.numel()]
     _record("send_recv", sum(_nbytes(t.numel(), t.dtype) for t in sent), sum(_nbytes(t.numel(), t.dtype) for t in received))
+    # gloo moves any dtype point to point (it sends bytes), other backends
+    # need a dtype they know (NCCL has no int16): every payload travels as a
+    # same-size view, a receive buffer's view filling the buffer itself.
+    sent = [tc.wire_view(t) for t in sent]
     group = mesh.get_group(mesh_dim)
     ops = [torch.distributed.P2POp(torch.distributed.isend, t, group=group, group_peer=to_rank, tag=tag) for t in sent]
     ops += [
-        torch.distributed.P2POp(torch.distributed.irecv, t, group=group, group_peer=from_rank, tag=tag)
+        torch.distributed.P2POp(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=from_rank, tag=tag)
         for t in received
         if t.numel()
     ]

@@ -73,10 +73,14 @@ class DomainPipe:
         mesh: a 1-D domain mesh, or a mesh with a ``ddp_dim`` dim (samples)
             and one or two domain dims (see :class:`~datapipes._axes.MeshAxes`).
         batch_size: samples per batch *per ddp rank*.
-        shuffle, seed, drop_last: sample order (see :mod:`datapipes.sampler`).
-        split_dims, halo, sizes: how a grid sample is split (see
+        shuffle: a new permutation of the samples every epoch (see :mod:`datapipes.sampler`).
+        seed: seed of that permutation, the same on every rank.
+        drop_last: drop the tail of the order so every ddp rank gets whole batches.
+        split_dims: the array dim each domain mesh dim splits (see
             :class:`~datapipes.decomposition.DomainDecomposition`); meshes
             always split their point dim.
+        halo: extra cells read on each side of a rank's box.
+        sizes: explicit shard sizes per mesh dim (default: the split rule).
         transforms: callables ``f(tensors)`` run by the reader on each batch's
             halo-padded local tensors, in place (e.g. :class:`~datapipes.statistics.Normalize`).
         prefetch: batches read ahead in the background; 0 reads in the caller.

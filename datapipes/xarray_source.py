@@ -39,7 +39,8 @@ class XarrayFields(GridSource):
         dims: the grid dims in the order the arrays are laid out for the
             model (default: the first variable's dims without ``sample_dim``).
             ``split_dims`` of the pipe index into this order.
-        sel, isel: named selections applied first, by label or by position.
+        sel: named selections by label, applied first.
+        isel: named selections by position, applied first.
         engine: xarray engine (default: ``"zarr"`` for ``*.zarr`` or directories,
             else xarray's choice).
         dtype: read every variable as this dtype (default: the decoded dtype).

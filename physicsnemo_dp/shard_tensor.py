@@ -67,6 +67,10 @@ class ShardTensor(torch.Tensor):
     def __new__(cls, local_tensor: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool):
         if local_tensor.requires_grad and not requires_grad:
             local_tensor = local_tensor.detach()
+        if local_tensor.is_conj() or local_tensor.is_neg():
+            # Rules run local kernels inside __torch_dispatch__, where torch excludes the Conjugate and
+            # Negative keys: most kernels would read a lazily conjugated/negated tensor's memory as is.
+            local_tensor = local_tensor.resolve_conj().resolve_neg()
         out = make_wrapper_subclass(
             cls,
             spec.global_shape,

@@ -9,9 +9,19 @@ plain tensors are sliced to the local box (no communication for the usual
 cases: a bias, a scale, a mask, a reduced statistic kept with keepdim).
 
 Pending reductions (``Partial``) survive only where the op is linear in them:
-``a + b`` and ``a - b`` with both pending, ``a * r`` and ``a / r`` with one
-pending and the rest not, ``-a``. Anything else reduces first, so ``Partial``
-keeps meaning "sum the contributions to get the value".
+``a + b``, ``a - b`` and ``torch.complex(a, b)`` with both pending, ``a * r``
+and ``a / r`` with one pending and the rest not, ``-a`` and ``a.conj()``.
+Anything else reduces first, so ``Partial`` keeps meaning "sum the
+contributions to get the value".
+
+Complex tensors: ``x.conj()`` (``aten._conj``) and ``aten._neg_view`` are lazy
+views in torch (a bit on the tensor, no copy). Rules run local kernels inside
+``__torch_dispatch__``, where torch excludes the Conjugate and Negative keys
+that normally resolve such bits, so most kernels would silently read the raw
+memory. A local tensor therefore never keeps a bit: ShardTensor's constructor
+resolves it (a copy, ``conj_physical``'s cost). The ShardTensor itself never
+carries the bit either: ``is_conj()`` is False, ``resolve_conj()`` returns it
+as is, and ``x.conj()`` does not alias ``x``.
 """
 
 from __future__ import annotations
@@ -22,8 +32,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .._torch_compat import pytree
 from ..rule_kit import broadcast_shape, replicated_to_box, resolve_partial, shard_tensor_cls, to_layout, wrap
 
-_ADDITIVE = {"add", "add_", "sub", "sub_"}
-_SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_"}
+_ADDITIVE = {"add", "add_", "sub", "sub_", "complex"}
+#: Linear in their one pending operand (conjugation too: conj(a + b) = conj(a) + conj(b)).
+_SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_", "_neg_view", "_conj", "_conj_physical", "conj_physical_"}
 
 
 def _keeps_partial(func, operands, m: int, reduce_op: str) -> bool:
@@ -198,10 +209,15 @@ def _wrap_result(result, spec):
 
 aten = torch.ops.aten
 
-#: Elementwise ops that lack ATen's ``pointwise`` tag.
+#: Elementwise ops that lack ATen's ``pointwise`` tag (``_conj``/``_neg_view``: the lazy views behind
+#: ``conj()`` and ``imag`` of a conjugate; the constructor resolves the bit they set, see above).
 RULES: dict = {
     op: pointwise_rule
     for op in (
+        aten.complex.default,
+        aten.polar.default,
+        aten._conj.default,
+        aten._neg_view.default,
         aten.masked_fill_.Scalar,
         aten.masked_fill_.Tensor,
         aten.masked_fill.Tensor,
@@ -212,5 +228,7 @@ RULES: dict = {
         aten.leaky_relu_backward.default,
         aten.elu_backward.default,
         aten.softplus_backward.default,
+        aten.softshrink_backward.default,
+        aten.hardshrink_backward.default,
     )
 }

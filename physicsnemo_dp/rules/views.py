@@ -26,9 +26,19 @@ Communication, per op:
   element sizes scale the last dim, so a sharded last dim needs every shard's
   extent to divide into whole elements of the wider dtype (else PlacementError).
 
-Pending reductions (``Partial``) pass through all of them: views are linear.
+* ``view_as_real`` / ``view_as_complex``: none; they add / remove a trailing
+  dim of 2 (real and imaginary part), which is never sharded:
+  ``view_as_complex`` of a tensor whose last dim is sharded raises
+  PlacementError on every rank (a pair split between ranks is no number).
+
+Pending reductions (``Partial``) pass through all of them: views are linear
+(``view_as_real``/``view_as_complex`` too: complex sums are componentwise).
 ``view(dtype)`` is the exception: the bits of a sum are not the sum of the
 bits, so a Partial input is reduced first (one all-reduce).
+
+Local tensors never carry torch's lazy conjugate/negative bit (ShardTensor's
+constructor resolves it, see :mod:`.pointwise`), so ``view(dtype)`` and
+``view_as_real`` reinterpret memory that holds the values it shows.
 ``as_strided`` is refused with an error: strides of the global tensor do not
 describe any rank's local memory.
 """
@@ -170,6 +180,59 @@ def _view_dtype(func, args, kwargs):
 
 
 # --------------------------------------------------------------------------- #
+# view_as_real / view_as_complex
+# --------------------------------------------------------------------------- #
+def _linear_local(x):
+    """Local tensor and spec of ``x`` with only pending sums/averages kept (reinterpretations are linear in them)."""
+    keep = {m for m, p in enumerate(x._spec.placements) if not p.is_partial() or p.reduce_op in ("sum", "avg")}
+    others = [m for m in range(len(x._spec.placements)) if m not in keep]
+    return resolve_partial(x, others) if others else (x._local_tensor, x._spec)
+
+
+def _view_as_real(func, args, kwargs):
+    (x,) = args
+    out_shape = tuple(func(meta_like(x)).shape)  # torch's own check and message (complex input)
+    local, spec = _linear_local(x)
+    out = func(local)
+    tables = spec.dim_sizes + (None,)
+    return wrap(out, type(spec).from_sizes(spec.mesh, spec.placements, out_shape, out.dtype, tables))
+
+
+def _complex_viewable(local: torch.Tensor) -> bool:
+    """torch's conditions for ``view_as_complex``: unit last stride, even strides and offset.
+
+    A local piece can be strided differently from the global tensor (a slice,
+    a transpose, an empty shard), so this differs between ranks and only
+    decides whether this rank copies, never anything visible.
+    """
+    return (
+        local.stride(-1) == 1
+        and local.storage_offset() % 2 == 0
+        and all(s % 2 == 0 for s in local.stride()[:-1])
+    )
+
+
+def _view_as_complex(func, args, kwargs):
+    (x,) = args
+    out_shape = tuple(func(meta_like(x)).shape)  # torch's own checks (float dtype, last dim of size 2)
+    spec = x._spec
+    last = len(spec.global_shape) - 1
+    if spec.dim_sizes[last] is not None:
+        mesh_dims = [m for m, p in enumerate(spec.placements) if p.is_shard() and p.dim == last]
+        raise PlacementError(
+            f"view_as_complex: the last dim (the real and imaginary parts, size 2) is sharded over mesh "
+            f"dim(s) {mesh_dims} with shard sizes {list(spec.dim_sizes[last])}, so a number's two parts "
+            f"live on different ranks. Redistribute first so that the last dim is whole on every rank, "
+            f"e.g. x.redistribute(placements=...) sharding another dim or Replicate()."
+        )
+    local, spec = _linear_local(x)
+    if not _complex_viewable(local):
+        local = local.clone(memory_format=torch.contiguous_format)  # this rank's memory cannot be viewed
+    out = func(local)
+    return wrap(out, type(spec).from_sizes(spec.mesh, spec.placements, out_shape, out.dtype, spec.dim_sizes[:-1]))
+
+
+# --------------------------------------------------------------------------- #
 # permute / transpose / t
 # --------------------------------------------------------------------------- #
 def _permuted(x, perm, local):
@@ -271,6 +334,8 @@ RULES: dict = {
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.view.dtype: _view_dtype,
+    aten.view_as_real.default: _view_as_real,
+    aten.view_as_complex.default: _view_as_complex,
     aten.permute.default: _permute,
     aten.transpose.int: _transpose,
     aten.t.default: _transpose,

@@ -32,6 +32,7 @@ EXPECTED = {
     "no rule": ("NotImplementedError", "ShardTensor has no rule for"),
     "as_strided": ("NotImplementedError", "strides of the global tensor do not describe any rank's local memory"),
     "view dtype wider": ("PlacementError", "elements into one along the last dim, which is sharded"),
+    "view_as_complex sharded pair": ("PlacementError", "view_as_complex: the last dim (the real and imaginary parts, size 2) is sharded"),
     "several masks": ("NotImplementedError", "ShardTensor indexing supports one boolean mask as the only tensor index"),
     "einsum diagonal": ("NotImplementedError", "ShardTensor does not support that: take the diagonal"),
     "partial max gradient": ("NotImplementedError", "no gradient through a Partial('max') tensor"),
@@ -95,6 +96,7 @@ def test_one_dim_mesh_cases(ctx, tmp_path):
     _check("no rule", lambda: x.index_fill(0, torch.tensor([1]), 1.0))
     _check("as_strided", lambda: x.as_strided((2, 2), (1, 1)))
     _check("view dtype wider", lambda: _rows(ctx, (2, 6), dim=1).view(torch.float64))  # shards of 3 floats
+    _check("view_as_complex sharded pair", lambda: torch.view_as_complex(_rows(ctx, (3, 2), dim=1)))
     _check("several masks", lambda: x[torch.ones(6, dtype=torch.bool), torch.ones(4, dtype=torch.bool)])
     _check("einsum diagonal", lambda: torch.einsum("ii->i", _rows(ctx, (4, 4))))
     pending_max = ShardTensor.from_local(torch.ones(3), ctx.mesh, [Partial("max")]).requires_grad_()

@@ -22,6 +22,11 @@ from physicsnemo_dp import ShardTensor
 from ..core._util import make_spec, shard_from_global
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+TOL.update({torch.complex128: TOL[torch.float64], torch.complex64: TOL[torch.float32]})
+
+
+def _differentiable(t) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def layouts(mesh, ndim: int, dims=None, partial: bool = False):
@@ -70,14 +75,14 @@ def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", 
         module.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both from zero
     ref_module = copy.deepcopy(module) if module is not None else None
     dtype = inputs[0][0].dtype
-    ref_inputs = [g.detach().clone().requires_grad_(grad and g.is_floating_point()) for g, _ in inputs]
+    ref_inputs = [g.detach().clone().requires_grad_(grad and _differentiable(g)) for g, _ in inputs]
     sharded = []
     for i, (g, placements) in enumerate(inputs):
         if placements is None:
-            sharded.append(g.detach().clone().requires_grad_(grad and g.is_floating_point()))
+            sharded.append(g.detach().clone().requires_grad_(grad and _differentiable(g)))
         else:
             spec = make_spec(mesh, placements, tuple(g.shape), kind, dtype=g.dtype, salt=salt + i)
-            sharded.append(shard_from_global(g, spec, requires_grad=grad and g.is_floating_point()))
+            sharded.append(shard_from_global(g, spec, requires_grad=grad and _differentiable(g)))
     ref_out = fn(ref_module, *ref_inputs) if module is not None else fn(*ref_inputs)
     out = fn(module, *sharded) if module is not None else fn(*sharded)
     where = f"{label} inputs={[p for _, p in inputs]}"
@@ -85,7 +90,7 @@ def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", 
     assert len(ref_list) == len(out_list), where
     for k, (o, r) in enumerate(zip(out_list, ref_list)):
         full = o.full_tensor() if isinstance(o, ShardTensor) else o
-        if r.dtype.is_floating_point:
+        if _differentiable(r):
             _assert_close(full.detach(), r.detach(), f"{where} output {k}", dtype)
         else:
             assert torch.equal(full, r), f"{where} output {k}: {full} != {r}"
@@ -98,6 +103,8 @@ def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", 
     grads_ref, grads_out, outs, refs = [], [], [], []
     for o, r in pairs:
         w = torch.randint(-4, 5, tuple(r.shape), generator=gen).to(r.dtype)
+        if r.is_complex():  # an imaginary part too: a real cotangent would miss sign errors of conjugation
+            w = w + 1j * torch.randint(-4, 5, tuple(r.shape), generator=gen).to(r.dtype)
         refs.append(r)
         grads_ref.append(w)
         outs.append(o)

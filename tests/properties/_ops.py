@@ -18,14 +18,14 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from physicsnemo_dp import ShardTensor
 
-from ._strategies import COMPLEX as COMPLEX_DTYPES, EXACT, REAL, dims, draw_input
+from ._strategies import ANY, ANY_EXACT, COMPLEX as COMPLEX_DTYPES, EXACT, REAL, dims, draw_input
 
 
 @dataclass(frozen=True)
 class Op:
     fn: Callable
     draw: Callable
-    dtypes: tuple = REAL
+    dtypes: tuple = REAL  # ANY / ANY_EXACT where torch accepts complex inputs too
     grad: bool = True
     contiguous_output: bool = False  # the op promises contiguous memory (``.contiguous()``)
 
@@ -82,27 +82,33 @@ def _with_scalar_tensor(draw, mesh_shape):
 
 
 POINTWISE = {
-    "sin": Op(torch.sin, _unary()),
-    "exp_times_x": Op(lambda x: torch.exp(x) * x, _unary()),
+    "sin": Op(torch.sin, _unary(), ANY),
+    "exp_times_x": Op(lambda x: torch.exp(x) * x, _unary(), ANY),
     "relu": Op(torch.relu, _unary(), REAL),
     "gelu": Op(F.gelu, _unary(), REAL),
     "where_positive": Op(lambda x: torch.where(x > 0, x, 0.1 * x), _unary(), REAL),
-    "affine_scalar": Op(lambda x: x * 2.5 - 1, _unary()),
-    "add_broadcast": Op(torch.add, _broadcast_pair()),
-    "mul_broadcast": Op(torch.mul, _broadcast_pair()),
-    "div_plain_weight": Op(lambda x, w: x / (w.abs() + 1), _broadcast_pair(plain_second=True)),
-    "mul_zero_dim_plain": Op(torch.mul, _with_scalar_tensor, grad=False),  # gradient: ZERO_DIM_PLAIN_GRAD
+    "affine_scalar": Op(lambda x: x * 2.5 - 1, _unary(), ANY),
+    "add_broadcast": Op(torch.add, _broadcast_pair(), ANY),
+    "mul_broadcast": Op(torch.mul, _broadcast_pair(), ANY),
+    "div_plain_weight": Op(lambda x, w: x / (w.abs() + 1), _broadcast_pair(plain_second=True), ANY),
+    "mul_zero_dim_plain": Op(torch.mul, _with_scalar_tensor, ANY, grad=False),  # gradient: ZERO_DIM_PLAIN_GRAD
+    # complex-only: conjugation (a lazy bit in torch), the real/complex views, parts and magnitudes
+    "conj_mul": Op(lambda x, y: x.conj() * y, _broadcast_pair(), COMPLEX_DTYPES),
+    "real_imag": Op(lambda x: x.real * 2 - x.conj().imag, _unary(), COMPLEX_DTYPES),
+    "abs_angle": Op(lambda x: x.abs() + torch.angle(x + 1j), _unary(), COMPLEX_DTYPES),
+    "view_as_real_roundtrip": Op(lambda x: torch.view_as_complex(torch.view_as_real(x.conj()) * 2), _unary(),
+                                 COMPLEX_DTYPES),
 }
 #: A plain 0-dim tensor that requires grad, meeting a ShardTensor.
-ZERO_DIM_PLAIN_GRAD = {"mul_zero_dim_plain_grad": Op(torch.mul, _with_scalar_tensor)}
+ZERO_DIM_PLAIN_GRAD = {"mul_zero_dim_plain_grad": Op(torch.mul, _with_scalar_tensor, ANY)}
 KNOWN_POINTWISE = {"mul_zero_dim_dtensor": Op(_mul_dtensor_scalar, _with_scalar_tensor, EXACT)}
 
 # ------------------------------------------------------------------ reductions
 REDUCTIONS = {
     "sum": Op(lambda x, dim, keepdim: x.sum() if dim is None else x.sum(dim, keepdim=keepdim),
-              _unary(args=_dim_keepdim)),
+              _unary(args=_dim_keepdim), ANY),
     "mean": Op(lambda x, dim, keepdim: x.mean() if dim is None else x.mean(dim, keepdim=keepdim),
-               _unary(args=_dim_keepdim)),
+               _unary(args=_dim_keepdim), ANY),
     "amax": Op(lambda x, dim, keepdim: x.amax(dim, keepdim=keepdim),
                _unary(dims(min_ndim=1), args=_nonempty_dim, expand=False), REAL),
     "max_dim": Op(lambda x, dim, keepdim: x.max(dim, keepdim=keepdim),
@@ -110,9 +116,11 @@ REDUCTIONS = {
     "argmin": Op(lambda x, dim, keepdim: x.argmin(dim, keepdim=keepdim),
                  _unary(dims(min_ndim=1), args=_nonempty_dim, expand=False), REAL, grad=False),
     "var": Op(lambda x, dim, keepdim: x.var(dim, keepdim=keepdim), _unary(dims(min_ndim=1), args=_nonempty_dim),
-              EXACT),
+              ANY_EXACT),
     "vector_norm": Op(lambda x, dim, keepdim: torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim),
-                      _unary(args=_dim_keepdim), EXACT),
+                      _unary(args=_dim_keepdim), ANY_EXACT),
+    "abs_amax": Op(lambda x, dim, keepdim: x.abs().amax(dim, keepdim=keepdim),
+                   _unary(dims(min_ndim=1), args=_nonempty_dim, expand=False), COMPLEX_DTYPES),
     "logsumexp": Op(lambda x, dim, keepdim: torch.logsumexp(x, dim, keepdim=keepdim),
                     _unary(dims(min_ndim=1), args=_nonempty_dim), EXACT),
 }
@@ -162,15 +170,15 @@ def _expand_to(draw, shape):
 _SAME_SIZE_INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
 
 VIEWS = {
-    "reshape": Op(lambda x, shape: x.reshape(shape), _unary(args=_reshape_target)),
-    "view": Op(lambda x, shape: x.view(shape), _unary(args=_reshape_target)),
-    "permute": Op(lambda x, dims: x.permute(dims), _unary(args=_perm)),
-    "transpose": Op(lambda x, a, b: x.transpose(a, b), _unary(dims(min_ndim=1), args=_two_dims)),
+    "reshape": Op(lambda x, shape: x.reshape(shape), _unary(args=_reshape_target), ANY),
+    "view": Op(lambda x, shape: x.view(shape), _unary(args=_reshape_target), ANY),
+    "permute": Op(lambda x, dims: x.permute(dims), _unary(args=_perm), ANY),
+    "transpose": Op(lambda x, a, b: x.transpose(a, b), _unary(dims(min_ndim=1), args=_two_dims), ANY),
     "squeeze": Op(lambda x, dim: x.squeeze(dim),
-                  _unary(st.composite(lambda draw: _squeezable(draw))(), args=lambda d, s: {"dim": _dim(d, s)})),
+                  _unary(st.composite(lambda draw: _squeezable(draw))(), args=lambda d, s: {"dim": _dim(d, s)}), ANY),
     "unsqueeze": Op(lambda x, dim: x.unsqueeze(dim),
-                    _unary(args=lambda d, s: {"dim": d(st.integers(-len(s) - 1, len(s)))})),
-    "expand": Op(lambda x, shape: x.expand(shape) * 1, _unary(args=_expand_to)),
+                    _unary(args=lambda d, s: {"dim": d(st.integers(-len(s) - 1, len(s)))}), ANY),
+    "expand": Op(lambda x, shape: x.expand(shape) * 1, _unary(args=_expand_to), ANY),
 }
 KNOWN_VIEWS = {"view_dtype": Op(lambda x: x.view(_SAME_SIZE_INT[x.dtype]), _unary(), EXACT, grad=False)}
 
@@ -205,13 +213,13 @@ def _nonempty_shape():
 
 
 JOINS = {
-    "cat": Op(lambda x, y, dim: torch.cat([x, y], dim), _cat_pair(stack=False)),
-    "stack": Op(lambda x, y, dim: torch.stack([x, y], dim), _cat_pair(stack=True)),
+    "cat": Op(lambda x, y, dim: torch.cat([x, y], dim), _cat_pair(stack=False), ANY),
+    "stack": Op(lambda x, y, dim: torch.stack([x, y], dim), _cat_pair(stack=True), ANY),
     "narrow": Op(lambda x, dim, start, length: x.narrow(dim, start, length),
-                 _unary(dims(min_ndim=1), args=_narrow_args)),
-    "select": Op(lambda x, dim, index: x.select(dim, index), _unary(_nonempty_shape(), args=_select_args)),
+                 _unary(dims(min_ndim=1), args=_narrow_args), ANY),
+    "select": Op(lambda x, dim, index: x.select(dim, index), _unary(_nonempty_shape(), args=_select_args), ANY),
     "split": Op(lambda x, size, dim: x.split(size, dim),
-                _unary(dims(min_ndim=1), args=lambda d, s: {"size": d(st.integers(1, 4)), "dim": _dim(d, s)})),
+                _unary(dims(min_ndim=1), args=lambda d, s: {"size": d(st.integers(1, 4)), "dim": _dim(d, s)}), ANY),
 }
 
 
@@ -237,10 +245,10 @@ def _einsum_case(draw, mesh_shape):
 
 
 MATMUL = {
-    "matmul": Op(torch.matmul, _matmul_case),
-    "linear": Op(F.linear, _linear_case),
-    "einsum_bij_bjk": Op(lambda x, y: torch.einsum("bij,bjk->bik", x, y), _einsum_case),
-    "einsum_bij_bjk_sum": Op(lambda x, y: torch.einsum("bij,bjk->k", x, y), _einsum_case),
+    "matmul": Op(torch.matmul, _matmul_case, ANY),
+    "linear": Op(F.linear, _linear_case, ANY),
+    "einsum_bij_bjk": Op(lambda x, y: torch.einsum("bij,bjk->bik", x, y), _einsum_case, ANY),
+    "einsum_bij_bjk_sum": Op(lambda x, y: torch.einsum("bij,bjk->k", x, y), _einsum_case, ANY),
 }
 
 
@@ -271,16 +279,16 @@ def _dim_only(draw, shape):
 DIM_OPS = {
     "softmax": Op(lambda x, dim: F.softmax(x, dim), _unary(dims(min_ndim=1), args=_dim_only), REAL),
     "log_softmax": Op(lambda x, dim: F.log_softmax(x, dim), _unary(dims(min_ndim=1), args=_dim_only), EXACT),
-    "cumsum": Op(lambda x, dim: x.cumsum(dim), _unary(dims(min_ndim=1), args=_dim_only), EXACT),
+    "cumsum": Op(lambda x, dim: x.cumsum(dim), _unary(dims(min_ndim=1), args=_dim_only), ANY_EXACT),
     "sort": Op(lambda x, dim, descending: torch.sort(x, dim=dim, descending=descending),
                _unary(dims(min_ndim=1), args=lambda d, s: {"dim": _dim(d, s), "descending": d(st.booleans())},
                       expand=False), REAL),
     "topk": Op(lambda x, k, dim, largest: torch.topk(x, k, dim, largest),
                _unary(dims(min_ndim=1), args=_topk_args, expand=False), REAL),
     "layer_norm": Op(_layer_norm, _layer_norm_case, EXACT),
-    "flip": Op(lambda x, dim: x.flip(dim), _unary(dims(min_ndim=1), args=_dim_only)),
+    "flip": Op(lambda x, dim: x.flip(dim), _unary(dims(min_ndim=1), args=_dim_only), ANY),
     "roll": Op(lambda x, shift, dim: x.roll(shift, dim),
-               _unary(dims(min_ndim=1), args=lambda d, s: {"shift": d(st.integers(-5, 5)), "dim": _dim(d, s)})),
+               _unary(dims(min_ndim=1), args=lambda d, s: {"shift": d(st.integers(-5, 5)), "dim": _dim(d, s)}), ANY),
 }
 
 
@@ -321,23 +329,24 @@ def _tensor_index_case(draw, mesh_shape):
 
 
 INDEXING = {
-    "index_select": Op(lambda x, i, dim: x.index_select(dim, i), _index_select_case),
-    "gather": Op(lambda x, i, dim: torch.gather(x, dim, i), _gather_case),
-    "getitem_basic": Op(lambda x, key: x[key], _unary(args=_basic_index)),
-    "getitem_tensor": Op(lambda x, i: x[i], _tensor_index_case),
+    "index_select": Op(lambda x, i, dim: x.index_select(dim, i), _index_select_case, ANY),
+    "gather": Op(lambda x, i, dim: torch.gather(x, dim, i), _gather_case, ANY),
+    "getitem_basic": Op(lambda x, key: x[key], _unary(args=_basic_index), ANY),
+    "getitem_tensor": Op(lambda x, i: x[i], _tensor_index_case, ANY),
 }
 
 # ------------------------------------------------------------------ tensor_like
 TENSOR_LIKE = {
-    "zeros_like": Op(torch.zeros_like, _unary()),
+    "zeros_like": Op(torch.zeros_like, _unary(), ANY),
     "full_like": Op(lambda x: torch.full_like(x, 3.0), _unary(), REAL),
-    "clone": Op(torch.clone, _unary()),
-    "clone_contiguous_format": Op(lambda x: x.clone(memory_format=torch.contiguous_format), _unary()),
+    "clone": Op(torch.clone, _unary(), ANY),
+    "clone_contiguous_format": Op(lambda x: x.clone(memory_format=torch.contiguous_format), _unary(), ANY),
     "to_float64": Op(lambda x: x.to(torch.float64), _unary(), REAL),
     "to_bfloat16": Op(lambda x: x.to(torch.bfloat16), _unary(), EXACT),
-    "detach_mul": Op(lambda x: x.detach() * x, _unary()),
+    "detach_mul": Op(lambda x: x.detach() * x, _unary(), ANY),
+    "to_complex128": Op(lambda x: x.to(torch.complex128), _unary(), ANY_EXACT),
 }
-KNOWN_TENSOR_LIKE = {"contiguous": Op(lambda x: x.contiguous(), _unary(), contiguous_output=True)}
+KNOWN_TENSOR_LIKE = {"contiguous": Op(lambda x: x.contiguous(), _unary(), ANY, contiguous_output=True)}
 
 
 # ------------------------------------------------------------------ spatial (conv, pool, interpolate, pad, norms)
@@ -410,7 +419,7 @@ SPATIAL = {
     "conv": Op(_conv, _conv_case, EXACT),
     "pool": Op(_pool, _pool_case, EXACT),
     "interpolate": Op(F.interpolate, _interp_case, EXACT),
-    "pad": Op(F.pad, _pad_case, EXACT),
+    "pad": Op(F.pad, _pad_case, ANY_EXACT),
     "norm": Op(_norm, _norm_case, EXACT),
 }
 

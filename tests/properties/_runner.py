@@ -43,6 +43,7 @@ _TOL = {
     torch.float64: (1e-9, 1e-9),
     torch.float32: (1e-4, 1e-4),
     torch.complex64: (1e-4, 1e-4),
+    torch.complex128: (1e-9, 1e-9),
     torch.bfloat16: (4e-2, 4e-2),
 }
 

@@ -13,7 +13,7 @@ What a case varies:
 - per rank, the *memory* layout of its local tensor (:data:`MEMORY_LAYOUTS`): the
   values never change, only strides and storage offset, which is what rules that
   read ``.stride()`` or call ``.view`` on local tensors get wrong;
-- dtype (float32/float64/bfloat16/complex64 where the op allows) and requires_grad.
+- dtype (float32/float64/bfloat16/complex64/complex128 where the op allows) and requires_grad.
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ DTYPES = {
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "complex64": torch.complex64,
+    "complex128": torch.complex128,
 }
 REAL = ("float32", "float64", "bfloat16")
-COMPLEX = ("complex64",)
+COMPLEX = ("complex64", "complex128")
 EXACT = ("float32", "float64")  # ops whose sharded algorithm legitimately reorders many roundings
+ANY = REAL + COMPLEX  # ops torch defines for complex inputs too
+ANY_EXACT = EXACT + COMPLEX
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,14 @@ scalar type"); the collective wrappers in ``physicsnemo_dp._torch_compat`` send
 them as same-size views, so these ops must match the single-process result like
 any other (this used to be a strict expected failure).
 
-Gradients of complex ops are a separate, open problem, pinned below: their
-backward formulas call ``aten._conj`` and ``aten.view_as_real``, which have no
-ShardTensor rule (on one rank too: no communication is involved).
+Gradients of complex ops used to be a separate expected failure: their backward
+formulas call ``aten._conj`` and ``aten.view_as_real``, which had no ShardTensor
+rule (on one rank too). They now have rules (``rules/pointwise.py``,
+``rules/views.py``) and the contraction's backward conjugates like torch's, so
+complex gradients must match too. The family tests draw complex dtypes as well.
 """
 
-import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import given
 
 from ._ops import GLOO_DTYPES
 from ._runner import check_case
@@ -27,9 +28,6 @@ def test_dtypes_gloo_has_no_kernels_for(case):
     check_case(case)
 
 
-@pytest.mark.xfail(strict=True, reason="complex backward formulas call aten._conj / aten.view_as_real, which have "
-                   "no ShardTensor rule (NotImplementedError, also on one rank)")
-@settings(phases=[Phase.explicit, Phase.generate])  # an expected failure: skip the shrink
 @given(cases(GLOO_DTYPES).filter(_complex_grad))
 def test_complex_gradients(case):
     check_case(case)

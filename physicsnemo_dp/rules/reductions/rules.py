@@ -161,7 +161,9 @@ def _moments(func, args, kwargs):
         dims = list(red.dims)
         mean = all_reduce_sum(local.sum(dims, keepdim=True), red) / red.count
         dev = local - mean
-        square = (dev * dev.conj()).real if dev.is_complex() else dev * dev
+        # |dev|^2 from the parts: a lazy dev.conj() would be read unconjugated here (inside
+        # __torch_dispatch__ torch does not resolve the conjugate bit), giving dev * dev.
+        square = dev.real.square() + dev.imag.square() if dev.is_complex() else dev * dev
         m2 = all_reduce_sum(square.sum(dims, keepdim=True), red)
         correction = 1 if b.get("correction") is None else b["correction"]
         var = m2 / max(red.count - correction, 0)

@@ -120,12 +120,18 @@ def make_pipes(args, context: MeshContext, train: Path, test: Path):
 # --------------------------------------------------------------------------- #
 # The run
 # --------------------------------------------------------------------------- #
+def add_data_arguments(parser: argparse.ArgumentParser):
+    """The Darcy data flags (``prepare_data`` reads them); returns their group for the model's flags."""
+    group = parser.add_argument_group("data and model")
+    group.add_argument("--grid", type=int, default=64, help="grid points per side of each sample")
+    group.add_argument("--samples", type=int, default=96, help="training samples")
+    group.add_argument("--test-samples", type=int, default=4, help="test samples (one is plotted)")
+    return group
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _common.training_parser(__doc__, steps=60, batch_size=8, lr=3e-3, out="outputs/unet_darcy")
-    model = parser.add_argument_group("data and model")
-    model.add_argument("--grid", type=int, default=64, help="grid points per side of each sample")
-    model.add_argument("--samples", type=int, default=96, help="training samples")
-    model.add_argument("--test-samples", type=int, default=4, help="test samples (one is plotted)")
+    model = add_data_arguments(parser)
     model.add_argument("--width", type=int, default=16, help="channels of the first U-Net level")
     model.add_argument("--depth", type=int, default=2, help="pooling levels of the U-Net")
     return parser.parse_args(argv)
@@ -162,6 +168,17 @@ def evaluate(model, pipe, normalize, context: MeshContext):
     return total / max(len(pipe), 1), shown
 
 
+def plot_sample(path: Path, sample: dict) -> Path:
+    """``prediction.png``: permeability, true and predicted pressure, error of the sample ``evaluate`` chose."""
+    return _common.plot_fields(
+        path,
+        {INPUT: sample[INPUT], "truth: pressure": sample["truth"], "prediction": sample["prediction"],
+         "|error|": (sample["prediction"] - sample["truth"]).abs()},
+        f"test sample {sample['sample']}" + (" (dashed: where the domain ranks' rows meet)" if sample["rows"] else ""),
+        row_splits=sample["rows"], same_scale=("truth: pressure", "prediction"),
+    )
+
+
 def run(argv=None, context: MeshContext | None = None) -> dict:
     """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
@@ -174,13 +191,7 @@ def run(argv=None, context: MeshContext | None = None) -> dict:
     log.info(f"test loss (normalized pressure, {len(test_pipe) * context.ddp_size} samples): {test_loss:.6g}")
     return _common.close_run(
         context, args, out, log, title="U-Net on Darcy flow", losses=losses, test_loss=test_loss,
-        plot_prediction=lambda path: _common.plot_fields(
-            path,
-            {INPUT: sample[INPUT], "truth: pressure": sample["truth"], "prediction": sample["prediction"],
-             "|error|": (sample["prediction"] - sample["truth"]).abs()},
-            f"test sample {sample['sample']}" + (" (dashed: where the domain ranks' rows meet)" if sample["rows"] else ""),
-            row_splits=sample["rows"], same_scale=("truth: pressure", "prediction"),
-        ),
+        plot_prediction=lambda path: plot_sample(path, sample),
         pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
     )
 

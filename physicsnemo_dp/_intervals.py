@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .split import offsets_from_sizes
+from .split import chunk_sizes, offsets_from_sizes
 
 __all__ = ["normalize_slice", "slice_table", "owner", "intersect", "tiles", "scatter_table"]
 
@@ -91,24 +91,33 @@ def tiles(pieces: Sequence, shards: int):
     return tuple(out)
 
 
-def scatter_table(grad_table: Sequence[int], size: int, start: int, step: int):
+def scatter_table(grad_table: Sequence[int], size: int, start: int, step: int, preferred: Sequence[int] | None = None):
     """Layout for the gradient of a slice, built without communication.
 
     The slice's gradient is zero except at ``start + j * step``; shard ``k``
-    holds the gradient entries ``grad_table[k]``. Each shard with entries gets
-    the slab from its first entry to the next such shard's first entry (the
-    first from 0, the last to ``size``); the others get nothing. Returns
-    ``(table, local_starts)`` or ``None`` when no shard has an entry.
+    holds the gradient entries ``grad_table[k]``, so its slab must cover them
+    (slabs follow each other in shard order). Within that constraint the
+    slab boundaries are those of ``preferred`` (default: the split rule's
+    sizes of ``size``), each moved only as far as needed: the zeros are
+    spread over the shards. (Giving the zeros to the shards with entries
+    instead would put the whole gradient of a small slice — the low modes of
+    a spectrum, a boundary row — on the one rank that holds the slice:
+    O(global) memory there.) Returns ``(table, local_starts)``, or ``None``
+    when no shard has an entry.
     """
     firsts = [start + step * o for o in offsets_from_sizes(grad_table)]
     filled = [k for k, g in enumerate(grad_table) if g]
     if not filled:
         return None
-    bounds = {k: (0 if n == 0 else firsts[k]) for n, k in enumerate(filled)}
-    ends = [bounds[k] for k in filled[1:]] + [size]
-    table = [0] * len(grad_table)
-    starts = [0] * len(grad_table)
-    for k, end in zip(filled, ends):
-        table[k] = end - bounds[k]
-        starts[k] = firsts[k] - bounds[k]
-    return tuple(table), tuple(starts)
+    ends = {k: firsts[k] + (grad_table[k] - 1) * step + 1 for k in filled}
+    preferred = chunk_sizes(size, len(grad_table)) if preferred is None else preferred
+    targets = offsets_from_sizes(preferred)
+    bounds = [0]
+    for k in range(1, len(grad_table)):
+        low = max([ends[j] for j in filled if j < k], default=0)  # after every earlier shard's entries
+        high = min([firsts[j] for j in filled if j >= k], default=size)  # before every later shard's entries
+        bounds.append(min(max(targets[k], low, bounds[-1]), high))
+    bounds.append(size)
+    table = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    starts = tuple(firsts[k] - bounds[k] if grad_table[k] else 0 for k in range(len(grad_table)))
+    return table, starts

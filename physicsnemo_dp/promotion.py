@@ -172,6 +172,8 @@ def promote_args(func, args, kwargs):
         return args, kwargs
     mesh = meshes[0]
     mode = get_promotion_mode()
+    if mode is not TensorPromotionMode.DISABLED and _writes_into_plain(func, args, ShardTensor):
+        return _gathered_operands(func, flat, spec, ShardTensor, mode)
     out = []
     for x in flat:
         if not _needs_promotion(x, ShardTensor):
@@ -193,6 +195,42 @@ def promote_args(func, args, kwargs):
                     stacklevel=4,
                 )
             out.append(Promote.apply(x, mesh))
+    return pytree.tree_unflatten(out, spec)
+
+
+def _writes_into_plain(func, args, ShardTensor) -> bool:
+    """Whether ``func`` writes in place into a plain tensor (``plain[idx] = sharded``, ``plain.add_(sharded)``).
+
+    Promoting that destination would write into a detached alias: the values
+    land in the plain tensor's memory but autograd never learns of the write,
+    so gradients to the sharded operands are silently lost.
+    """
+    name = getattr(func, "__name__", "")
+    in_place = name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__")
+    )
+    return in_place and bool(args) and _needs_promotion(args[0], ShardTensor) and not _is_dtensor(args[0])
+
+
+def _gathered_operands(func, flat, spec, ShardTensor, mode):
+    """Operands of an in-place op on a plain destination: ShardTensors become their whole values.
+
+    A plain tensor stands for the same value on every rank, so what is
+    written into it must be whole: each sharded operand is gathered
+    (``full_tensor()``, differentiable) and the op runs on plain tensors,
+    recorded by autograd as usual. This is the pattern of public FNO code
+    (``out_ft = torch.zeros(...)``, ``out_ft[..., :m1, :m2] = modes``): only
+    the written values move, and everything after runs replicated; create
+    the destination from a ShardTensor (``x.new_zeros``, ``zeros_like``) to
+    keep it sharded.
+    """
+    if mode is TensorPromotionMode.WARN:
+        warnings.warn(
+            f"{_name(func)}: writing ShardTensor values into a plain tensor gathers them; "
+            "create the destination with x.new_zeros(...) to keep it sharded",
+            stacklevel=4,
+        )
+    out = [x.full_tensor() if isinstance(x, ShardTensor) else x for x in flat]
     return pytree.tree_unflatten(out, spec)
 
 

@@ -32,7 +32,8 @@ Communication, per op:
   in one all-to-all, exactly the part of it another rank's output slab covers
   (replicated operands are only sliced).
 * ``slice_backward``: none; each rank writes its gradient into zeros of a slab
-  that covers it (the output layout is computed from the gradient's, see
+  that covers it, the slabs as close to the split rule's as that allows (the
+  output layout is computed from the gradient's, see
   :func:`physicsnemo_dp._intervals.scatter_table`).
 * ``select_backward``: none; the selected dim is inserted unsharded (the
   mirror of the forward's output).
@@ -272,11 +273,12 @@ def _slice_backward(func, args, kwargs):
         out = func(local, local_sizes, d, start, end, step)
         new_table = None
     else:
-        scattered = _intervals.scatter_table(table, size, start, step)
+        mesh_dims = _layout.sharding_mesh_dims(spec.placements, d)
+        split_rule = nested_chunks(size, [spec.mesh.size(m) for m in mesh_dims])
+        scattered = _intervals.scatter_table(table, size, start, step, preferred=split_rule)
         me = _flat_index(spec, d)
         if scattered is None:  # the slice was empty: zeros in the split rule's layout
-            mesh_dims = _layout.sharding_mesh_dims(spec.placements, d)
-            new_table = nested_chunks(size, [spec.mesh.size(m) for m in mesh_dims])
+            new_table = split_rule
             first = 0
         else:
             new_table, starts = scattered

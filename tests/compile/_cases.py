@@ -183,6 +183,22 @@ def _attention(mesh):
     ]
 
 
+def _fft(mesh):
+    """torch.fft along sharded dims: transposes (all-to-alls) between local transforms, then back."""
+
+    def block(x):  # the FNO spectral block: rfft2, keep low modes in a zero spectrum, irfft2
+        x_ft = torch.fft.rfft2(x, norm="ortho")
+        out_ft = torch.zeros_like(x_ft)
+        out_ft[..., :3, :2] = x_ft[..., :3, :2] * 2
+        return torch.fft.irfft2(out_ft, s=x.shape[-2:], norm="ortho") + x
+
+    def shifted(x):  # rfft along the sharded dim, fftshift (roll) along the dim it moved to, inverse
+        return torch.fft.irfft(torch.fft.fftshift(torch.fft.rfft(x, dim=2), dim=3), n=9, dim=2) * 2
+
+    x = (_g(2, 3, 9, 6), _sharded(mesh, 2, 0))
+    return [Case("spectral block rfft2/irfft2", block, [x]), Case("rfft/fftshift/irfft", shifted, [x])]
+
+
 #: op family -> cases for a mesh; the keys are the rows of the compile matrix.
 FAMILIES: dict[str, Callable] = {
     "pointwise": _pointwise,
@@ -198,4 +214,5 @@ FAMILIES: dict[str, Callable] = {
     "attention": _attention,
     "mlp": _mlp,
     "cnn": _cnn,
+    "fft": _fft,
 }

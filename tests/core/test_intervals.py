@@ -82,5 +82,9 @@ def test_scatter_table_covers_every_gradient_entry():
             if g:
                 first = off + starts[k]
                 assert first == start + step * g_off and first + (g - 1) * step < off + n
-            else:
-                assert n == 0
+    # the zeros are spread like the split rule's slabs where the entries allow: the gradient of the
+    # low modes [0, 12) held by shard 0 of 4 does not make shard 0 hold all 129 columns
+    assert scatter_table((12, 0, 0, 0), 129, 0, 1) == ((33, 33, 33, 30), (0, 0, 0, 0))
+    # a boundary moves only as far as the entries need: shard 1 holds 40, 50, 60 and shard 2 70, 80, 90,
+    # so the split rule's boundaries 25 | 50 | 75 become 25 | 61 | 91
+    assert scatter_table((0, 3, 3, 0), 100, 40, 10) == ((25, 36, 30, 9), (0, 15, 9, 0))

@@ -1,0 +1,83 @@
+"""The FNO and AFNO models of ``examples/spectral_models.py`` on ShardTensors equal one process.
+
+Grids are small and odd-sized, so shards are uneven (with an empty one at 3
+and 4 ranks) and the AFNO's patch boundaries fall inside shards; 1-D meshes
+shard rows or columns, the 2x2 mesh batch x rows and rows x columns (two
+sharded transformed dims). Forward output, input gradient and every parameter
+gradient, float32 and float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._harness import distributed
+
+from ._conformance import check_model, placements_for
+
+import spectral_models  # noqa: E402  (on sys.path through tests/spectral/__init__.py)
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+
+
+@DTYPES
+@distributed(timeout=120)
+def test_fno(ctx, dtype):
+    """Two Fourier layers; 11 x 9 grid: odd sizes, W // 2 + 1 = 5 frequency columns over up to 4 ranks."""
+    model = spectral_models.FNO2d(c_in=1, c_out=1, width=6, modes=(3, 3), layers=2, dtype=dtype).to(ctx.device)
+    x = torch.randn(2, 1, 11, 9, dtype=dtype).to(ctx.device)
+    for i, placements in enumerate(placements_for(ctx.mesh, (2, 3))):
+        check_model(model, x, ctx.mesh, placements, salt=i)
+
+
+@DTYPES
+@distributed(timeout=120)
+def test_afno(ctx, dtype):
+    """Two AFNO blocks, 14 x 10 image, 2x2 patches -> a 7 x 5 token grid; 60 % of the modes kept."""
+    model = spectral_models.AFNONet((14, 10), patch=2, dim=8, depth=2, num_blocks=2, mlp_ratio=2.0,
+                                    hard_thresholding_fraction=0.6).to(device=ctx.device, dtype=dtype)
+    x = torch.randn(2, 1, 14, 10, dtype=dtype).to(ctx.device)
+    for i, placements in enumerate(placements_for(ctx.mesh, (2, 3))):
+        check_model(model, x, ctx.mesh, placements, salt=i)
+
+
+def test_models_reject_bad_sizes():
+    """Sizes a model cannot take are refused with the argument and the fix."""
+    with pytest.raises(ValueError, match=r"img_size=\(14, 9\) must be multiples of patch=2"):
+        spectral_models.AFNONet((14, 9), patch=2)
+    with pytest.raises(ValueError, match="dim=10 must be a multiple of num_blocks=4"):
+        spectral_models.AFNO2D(10, num_blocks=4)
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        spectral_models.FNO2d(width=4, modes=(2, 2), layers=1)(torch.randn(1, 1, 1, 8))
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_opt_einsum_backend(ctx):
+    """opt_einsum (tensorly's einsum in neuraloperator) finds torch's functions for a ShardTensor.
+
+    It picks an operand's library by the top-level module of its class
+    (``physicsnemo_dp``) and falls back to NumPy without ``einsum`` /
+    ``tensordot`` / ``transpose`` there. Checked directly, and through
+    opt_einsum when it is installed.
+    """
+    import physicsnemo_dp
+    from torch.distributed.tensor.placement_types import Shard
+
+    from ..core._util import make_spec, shard_from_global
+
+    x = torch.randn(2, 3, 5, 4, dtype=torch.complex128)
+    w = torch.randn(3, 6, 5, 4, dtype=torch.complex128)
+    xs = shard_from_global(x, make_spec(ctx.mesh, (Shard(2),), tuple(x.shape), dtype=x.dtype))
+    expected = torch.einsum("bixy,ioxy->boxy", x, w)
+    assert torch.equal(physicsnemo_dp.einsum("bixy,ioxy->boxy", xs, w).full_tensor(), expected)
+    assert torch.allclose(physicsnemo_dp.tensordot(xs, w, axes=([1], [0])).full_tensor(),
+                          torch.tensordot(x, w, dims=([1], [0])))
+    assert torch.equal(physicsnemo_dp.transpose(xs, (0, 2, 1, 3)).full_tensor(), x.permute(0, 2, 1, 3))
+    try:
+        import opt_einsum
+    except ImportError:
+        return
+    got = opt_einsum.contract("bixy,ioxy->boxy", xs, w)
+    assert isinstance(got, physicsnemo_dp.ShardTensor)
+    assert torch.allclose(got.full_tensor(), expected)

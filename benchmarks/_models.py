@@ -134,6 +134,46 @@ def mlp_pair(mesh, tokens: int, dim: int) -> dict[str, tuple[nn.Module, torch.Te
     return {"ShardTensor": (net, x), "DTensor": (distribute_module(copy.deepcopy(net), mesh), dx)}
 
 
+class _ConditionalConvNet(nn.Module):
+    """F(x_in, c_noise, condition) of the sampler case: the conv net on [x_in, condition, c_noise] channels."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = conv_net(3, width)
+
+    def forward(self, x, c_noise, condition):
+        return self.body(torch.cat([x, condition, torch.ones_like(x) * c_noise], dim=1))[:, :1]
+
+
+def sampler_pair(mesh, rows: int, cols: int, width: int) -> tuple[nn.Module, torch.Tensor, ShardTensor]:
+    """``(denoiser, plain condition, sharded condition)`` for one EDM sampler step on a ``(1, 1, rows, cols)`` field.
+
+    The denoiser is an EDM-preconditioned conditional conv net, the same on
+    every rank; the condition is sharded along its rows (chunk sizes).
+    """
+    from physicsnemo_dp.pipelines import EDMPrecond
+
+    torch.manual_seed(0)
+    denoiser = EDMPrecond(_ConditionalConvNet(width)).to(mesh_device(mesh))
+    plain = global_input((1, 1, rows, cols), seed=1).to(mesh_device(mesh))
+    return denoiser, plain, shard(plain, mesh, 2)
+
+
+def sampler_step(denoiser: nn.Module, condition: torch.Tensor) -> None:
+    """Latents drawn where they live, then one churned Heun step (two denoiser evaluations), no grad.
+
+    A 2-level schedule: its first step draws churn noise and evaluates the
+    denoiser twice (Euler + Heun correction), its last step once; sampling
+    keeps no activations between steps, so the peak is one step's.
+    """
+    from physicsnemo_dp.pipelines import HeunSampler
+    from physicsnemo_dp.random import randn_like
+
+    generator = torch.Generator(condition.device).manual_seed(0)
+    latents = randn_like(condition, generator=generator)
+    HeunSampler(num_steps=2, S_churn=1.0).sample(denoiser, latents, condition, generator=generator)
+
+
 def train_step(net: nn.Module, x: torch.Tensor) -> None:
     """Forward and backward with a unit upstream gradient (no loss reduction, so no extra collective).
 

@@ -19,6 +19,10 @@ Ratios (1.0 = perfect scaling, no target: on CPU they show overheads):
   in one step (forward + backward, summed over ranks) over the bytes of the
   convolutions' local inputs (the interior each rank reads anyway).
 
+The FNO block of :mod:`._spectral` (``rfft2``, mode truncation, ``irfft2``, 1x1 conv,
+GELU) on a ``fno_grid`` x ``fno_grid`` field (512 x 512 by default) is timed the
+same way, strong scaling only.
+
 With ``compare_dtensor``: the MLP on even token shards, ShardTensor's step
 over DTensor's (both clocks).
 """
@@ -31,7 +35,7 @@ from torch import nn
 
 from physicsnemo_dp import count_collectives
 
-from . import _models
+from . import _models, _random, _spectral
 from ._record import Result, over_ranks
 from ._timing import fastest_by
 
@@ -41,9 +45,9 @@ _CLOCKS = {"wall": time.perf_counter, "CPU": time.process_time}
 
 def sizes(tiny: bool, scale: float) -> dict:
     if tiny:
-        return dict(rows=16, cols=8, width=4, seq=16, dim=16, tokens=8, rounds=1)
+        return dict(rows=16, cols=8, width=4, seq=16, dim=16, tokens=8, rounds=1, fno_grid=16)
     return dict(rows=int(256 * scale), cols=int(256 * scale), width=16, seq=int(1024 * scale), dim=64,
-                tokens=int(256 * scale), rounds=7)  # fmt: skip
+                tokens=int(256 * scale), rounds=7, fno_grid=int(512 * scale))  # fmt: skip
 
 
 def _step_times(runs: dict, rounds: int, P: int) -> dict[str, dict[str, float]]:
@@ -56,7 +60,7 @@ def _step_times(runs: dict, rounds: int, P: int) -> dict[str, dict[str, float]]:
 
 
 def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int, rounds: int,
-        compare_dtensor: bool = False) -> list[Result]:  # fmt: skip
+        compare_dtensor: bool = False, fno_grid: int = 512) -> list[Result]:  # fmt: skip
     P = mesh.size()
     results = []
     for name, net, inputs in _models.scaling_runs(mesh, rows, cols, width, seq, dim):
@@ -79,6 +83,8 @@ def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int,
         ]  # fmt: skip
         if name == "conv net":
             results.append(_halo_vs_interior(net, inputs["strong"][1], P))
+    results += _spectral.fno_strong_scaling(mesh, fno_grid, width, max(2, fno_grid // 32), rounds)
+    results += _random.draw_cost(mesh, rows, cols, rounds)
     if compare_dtensor:
         pair = _models.mlp_pair(mesh, tokens, dim)
         t = _step_times({kind: (lambda n=n, x=x: _models.train_step(n, x)) for kind, (n, x) in pair.items()}, rounds, P)

@@ -42,7 +42,7 @@ from physicsnemo_dp.checkpoint import (
 from physicsnemo_dp.distributed import MeshContext, parallelize_model
 
 __all__ = ["training_parser", "build_context", "check_batch", "prepare_output", "finish", "main", "RunLog", "fit",
-           "global_mean", "cosine_schedule", "build_training", "plot_loss", "plot_fields", "plot_points",
+           "global_mean", "cosine_schedule", "build_training", "plain_replica", "plot_loss", "plot_fields", "plot_points",
            "open_run", "close_run", "on_ranks", "NonFiniteLossError", "StepWatchdog"]
 
 
@@ -550,6 +550,21 @@ def build_training(args: argparse.Namespace, context: MeshContext, make_model: C
     model = parallelize_model(make_model().to(context.device), context)
     optimizer = optimizer_class(model.parameters(), lr=args.lr)
     return model, optimizer, cosine_schedule(optimizer, args.steps)
+
+
+def plain_replica(model: torch.nn.Module, make_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """A plain one-process copy of a parallelized ``model`` (bare, DDP or FSDP2): its full weights in ``make_model()``.
+
+    Collective (FSDP2 all-gathers its shards); every rank gets the copy, in
+    eval mode. For comparisons with one process that must not communicate,
+    e.g. a sample recomputed on plain tensors on rank 0 alone.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    replica = make_model()
+    replica.load_state_dict(state)
+    return replica.eval()
 
 
 # --------------------------------------------------------------------------- #

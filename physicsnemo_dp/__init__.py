@@ -18,6 +18,8 @@ from .sync import sync_module_over_mesh
 from .launch import RankError, launch
 from .split import chunk_sizes
 from . import catalog, debug  # noqa: F401  (catalog fills the op table; debug is a public subpackage)
+from . import random  # noqa: E402  (decomposition-invariant random numbers: streams, seeding, factories)
+from .random import rand, randint, randn  # noqa: E402
 
 __all__ = [
     "ShardTensor",
@@ -36,7 +38,35 @@ __all__ = [
     "PlacementError",
     "PromotionError",
     "chunk_sizes",
+    "random",
+    "rand",
+    "randn",
+    "randint",
     "Shard",
     "Replicate",
     "Partial",
 ]
+
+
+# Interoperability with opt_einsum (tensorly's einsum, hence neuraloperator's spectral convolutions):
+# opt_einsum picks an operand's array library by the top-level module of its class and looks up
+# ``einsum``, ``tensordot`` and ``transpose`` there. For a ShardTensor that is this package; without
+# these three it falls back to NumPy, which cannot take a ShardTensor. They are torch's functions in
+# opt_einsum's (NumPy-style) signatures, as in opt_einsum's own torch backend; not part of ``__all__``.
+def einsum(equation, *operands, **kwargs):
+    """``torch.einsum`` with operands as separate arguments (opt_einsum's backend interface)."""
+    import torch
+
+    return torch.einsum(equation, *operands)
+
+
+def tensordot(x, y, axes=2):
+    """``torch.tensordot`` with NumPy's ``axes`` keyword (opt_einsum's backend interface)."""
+    import torch
+
+    return torch.tensordot(x, y, dims=axes)
+
+
+def transpose(x, axes):
+    """``x.permute(*axes)`` (opt_einsum's backend interface; torch's ``transpose`` swaps two dims only)."""
+    return x.permute(*axes)

@@ -17,9 +17,11 @@ import torch.fx.traceback as fx_traceback
 from torch._ops import OpOverload
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "pytree",
+    "TorchDispatchMode",
     "OpOverload",
     "TensorBase",
     "upsample_kernels",
@@ -56,6 +58,8 @@ __all__ = [
 
 #: torch's pytree utilities (``tree_flatten``, ``tree_unflatten``, ``tree_map``): the rules
 #: flatten nested op arguments with them, as DTensor does.
+#: ``TorchDispatchMode``: the base class of a mode that sees every ATen call below autograd
+#: (the FFT family records torch's own decomposition of a ``torch.fft`` call with one).
 #: ``OpOverload``: the type of ATen ops (``aten.mm.default``) as the dispatcher hands them over.
 #: ``TensorBase``: the C base class whose property descriptors (``grad``, ``grad_fn``, ...)
 #: ShardTensor reads directly, so those reads do not re-enter ``__torch_function__``.

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from . import attention, spatial
 from .dispatch import table
-from .rules import dim_ops, indexing, joins, matmul, pointwise, reductions, tensor_like, views
+from .rules import dim_ops, fft, indexing, joins, matmul, pointwise, random, reductions, tensor_like, views
 
 __all__ = ["FAMILIES"]
 
 #: Later families win where two name the same op.
-FAMILIES = (tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, spatial, attention)
+FAMILIES = (
+    tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, fft, spatial, attention, random,
+)
 
 table.install(FAMILIES, pointwise_rule=pointwise.pointwise_rule)

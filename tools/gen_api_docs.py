@@ -39,6 +39,8 @@ MODULES = (
     ("physicsnemo_dp.attention", "sequence-sharded scaled dot-product attention"),
     ("physicsnemo_dp.distributed", "training on a (ddp, domain) mesh: DDP, FSDP2, capabilities, precision"),
     ("physicsnemo_dp.checkpoint", "distributed, crash-safe checkpoints"),
+    ("physicsnemo_dp.random", "random numbers that do not depend on the decomposition: streams, seeding, factories"),
+    ("physicsnemo_dp.pipelines", "diffusion (EDM) pipelines of named components under one MeshContext"),
     ("physicsnemo_dp.debug", "debugging aids: the checking mode, collective counting"),
     ("physicsnemo_dp.debug.viz", "pictures of layouts, halo exchanges and decompositions"),
     ("datapipes", "per-rank reading of HDF5, xarray and mesh data into ShardTensors"),

@@ -22,6 +22,14 @@ PC003  Shared code (``--shared``, default ``physicsnemo_dp/distributed``)
        ``__class__``, ``model_type``, ``architectures``, ``name_or_path`` or
        ``model_name``, or compares ``type(...)``. Model-specific behaviour
        belongs in the model's sidecar. (Names in error messages are fine.)
+PC004  A second source of parallelization policy: a function or method that
+       takes a ``mesh_context`` also takes a parameter named like a policy
+       (``*polic*``, ``*strateg*``, ``*scheme*``, ``parallel_config``,
+       ``parallel_plan``, ``parallelize_context``), or a class / function is
+       named ``ParallelizeContext`` / ``parallel_scheme``. The resolved
+       MeshContext is the only policy input: pipelines
+       (``physicsnemo_dp.pipelines``) select components, they do not map
+       components to their own strategies.
 
 Only the standard library is used, and nothing is imported: the check is a
 pure reading of the source, fast enough for a pre-commit hook.
@@ -212,6 +220,32 @@ def _check_model_names(path: Path, tree: ast.Module) -> list[Violation]:
     return out
 
 
+POLICY_WORDS = ("polic", "strateg", "scheme", "parallel_config", "parallel_plan", "parallelize_context")
+SECOND_API_NAMES = frozenset({"ParallelizeContext", "parallel_scheme"})
+
+
+def _check_policy_sources(path: Path, tree: ast.Module) -> list[Violation]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in SECOND_API_NAMES:
+            out.append(Violation(path, node.lineno, node.col_offset, "PC004",
+                                 f"{node.name!r} is a second parallelization API; take a MeshContext "
+                                 "(physicsnemo_dp.distributed) instead"))  # fmt: skip
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                  *filter(None, (node.args.vararg, node.args.kwarg))]  # fmt: skip
+        if not any(a.arg == "mesh_context" for a in params):
+            continue
+        for a in params:
+            if a.arg != "mesh_context" and any(word in a.arg.lower() for word in POLICY_WORDS):
+                out.append(Violation(path, a.lineno, a.col_offset, "PC004",
+                                     f"{node.name}() takes mesh_context and also {a.arg!r}: a second policy "
+                                     "source; the one resolved MeshContext carries the strategy and policies "
+                                     "for every component it parallelizes"))  # fmt: skip
+    return out
+
+
 def lint(paths, shared) -> list[Violation]:
     files = _python_files(paths)
     shared_files = {f.resolve() for f in _python_files(shared)}
@@ -228,6 +262,8 @@ def lint(paths, shared) -> list[Violation]:
     for path, tree in trees.items():
         if path.resolve() in shared_files:
             violations += _check_model_names(path, tree)
+        if path in files:
+            violations += _check_policy_sources(path, tree)
     return sorted(violations, key=lambda v: (str(v.path), v.line, v.col))
 
 

@@ -27,19 +27,27 @@ def _factory_like(func, args, kwargs):
 
 
 def _new_factory(func, args, kwargs):
-    """``x.new_empty(size)`` and friends: laid out like ``x`` when ``size`` is ``x``'s shape.
+    """``x.new_empty(size)`` and friends: laid out like ``x`` where ``size`` keeps ``x``'s sharded extents.
 
     Autograd uses ``new_empty_strided(param.shape, param.stride())`` to give a
     gradient the parameter's strides, so "same shape" must mean "same layout".
-    Any other size is a new replicated tensor.
+    A size that differs only along unsharded dims (a spectrum buffer with
+    other channels or a shorter last dim, ``x.new_zeros(b, c_out, h, w // 2 + 1)``
+    for ``x`` sharded along ``h``) is sharded like ``x`` too: no rank allocates
+    the global tensor. Any other size is a new replicated tensor.
     """
     x, size, *rest = args
     size = tuple(size)
-    if size == tuple(x.shape):
-        spec = _without_partial(x._spec)
+    spec = x._spec
+    if len(size) == len(spec.global_shape) and all(
+        table is None or size[d] == spec.global_shape[d] for d, table in enumerate(spec.dim_sizes)
+    ):
+        spec = _without_partial(spec)
+        if size != tuple(spec.global_shape):
+            spec = type(spec).from_sizes(spec.mesh, spec.placements, size, x.dtype, spec.dim_sizes)
         local_size = tuple(spec.local_shape)
     else:
-        spec = type(x._spec).chunked(x._spec.mesh, (Replicate(),) * x._spec.mesh.ndim, size, x.dtype)
+        spec = type(spec).chunked(spec.mesh, (Replicate(),) * spec.mesh.ndim, size, x.dtype)
         local_size = size
     if func in (aten.new_empty_strided.default,):
         rest = [_contiguous_stride(local_size), *rest[1:]]
@@ -91,9 +99,7 @@ RULES = {
             aten.ones_like.default,
             aten.empty_like.default,
             aten.full_like.default,
-            aten.rand_like.default,
-            aten.randn_like.default,
-        )
+        )  # random *_like ops: rules/random.py (decomposition-invariant values, not a local draw)
     },
     **{
         op: _new_factory

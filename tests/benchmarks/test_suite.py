@@ -65,6 +65,8 @@ def test_the_cases_the_issue_asks_for_are_measured(report):
     for model in ("conv net", "transformer block"):
         for kind in ("strong", "weak"):
             assert has("memory_scaling", 4, model, kind) and has("throughput_scaling", 4, model, kind)
+    assert has("memory_scaling", 4, "diffusion sampler step", "strong")  # issue 18: per-rank memory of a step
+    assert has("memory_scaling", 4, "fno", "strong")  # issue 16: per-rank memory of an FNO step
     assert has("throughput_scaling", 2, "halo bytes / interior")
     for layout in ("contiguous", "chunked"):
         assert has("io", 2, layout, "no prefetch") and has("io", 2, layout, "prefetch")

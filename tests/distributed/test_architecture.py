@@ -263,3 +263,38 @@ def test_parallelizer_lint_cli_errors(tmp_path):
     assert result.returncode == 2 and "no such file or directory" in result.stderr
     result = _run([sys.executable, str(LINT_SCRIPT), "--help"], ROOT)
     assert result.returncode == 0 and "PATH" in result.stdout.upper()
+
+
+_SECOND_POLICY_SOURCES = '''
+class ParallelizeContext:
+    pass
+
+
+class Pipeline:
+    @classmethod
+    def from_components(cls, components, *, mesh_context=None, component_strategies=None, frozen=()):
+        return cls()
+
+    def load(self, mesh_context, parallel_scheme=None, mp_policies=None):
+        return self
+
+
+def from_checkpoint(path, *, mesh_context=None, components_to_parallelize=(), components_to_load=()):
+    return path
+
+
+def build(strategy, policy):  # no mesh_context: an ordinary config builder
+    return strategy
+'''
+
+
+def test_parallelizer_lint_rejects_a_second_policy_source(tmp_path):
+    """PC004: the resolved MeshContext is the only policy input of a loader (no per-component policy map)."""
+    (tmp_path / "pipeline.py").write_text(_SECOND_POLICY_SOURCES)
+    result = _run([sys.executable, str(LINT_SCRIPT), "--shared", str(tmp_path), str(tmp_path)], ROOT)
+    assert result.returncode == 1
+    lines = [line for line in result.stdout.splitlines() if "PC004" in line]
+    assert sorted(int(line.split(":")[1]) for line in lines) == [2, 8, 11, 11], result.stdout
+    assert any("'component_strategies'" in line for line in lines)
+    assert any("'mp_policies'" in line for line in lines) and any("'parallel_scheme'" in line for line in lines)
+    assert any("'ParallelizeContext' is a second parallelization API" in line for line in lines)

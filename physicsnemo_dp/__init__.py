@@ -18,7 +18,7 @@ from .sync import sync_module_over_mesh
 from .launch import RankError, launch
 from .split import chunk_sizes
 from . import catalog, debug  # noqa: F401  (catalog fills the op table; debug is a public subpackage)
-from . import random  # noqa: E402  (decomposition-invariant random numbers: streams, seeding, factories)
+from . import random  # noqa: E402,F401  (public subpackage: decomposition-invariant random numbers)
 from .random import rand, randint, randn  # noqa: E402
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "PlacementError",
     "PromotionError",
     "chunk_sizes",
-    "random",
     "rand",
     "randn",
     "randint",

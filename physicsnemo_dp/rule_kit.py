@@ -36,6 +36,26 @@ def shard_tensor_cls():
     return _SHARD_TENSOR_CLS
 
 
+def bind_args(func, args, kwargs) -> dict:
+    """Arguments of an ATen call by schema name: positional, then keywords, then defaults (None if none)."""
+    bound = {}
+    positional = iter(args)
+    for a in func._schema.arguments:
+        if not a.kwarg_only:
+            value = next(positional, _MISSING)
+            if value is not _MISSING:
+                bound[a.name] = value
+                continue
+        if a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        else:
+            bound[a.name] = a.default_value if a.has_default_value() else None
+    return bound
+
+
+_MISSING = object()
+
+
 def broadcast_shape(*shapes) -> tuple[int, ...]:
     """Broadcast of int shapes (a plain-Python ``torch.broadcast_shapes``, much cheaper)."""
     ndim = max((len(s) for s in shapes), default=0)

@@ -40,7 +40,7 @@ from .. import _philox, collectives
 from .._checking import checks_enabled
 from .._torch_compat import traced
 from ..errors import PlacementError
-from ..rule_kit import meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
+from ..rule_kit import bind_args, meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
 
 aten = torch.ops.aten
 
@@ -136,18 +136,6 @@ def distribution_values(kind: str, key, spec, dtype, device, params) -> torch.Te
 # --------------------------------------------------------------------------- #
 # Argument handling
 # --------------------------------------------------------------------------- #
-def _bind(func, args, kwargs) -> dict:
-    """Arguments of an ATen call by schema name, defaults filled in."""
-    out = {}
-    positional = [a for a in func._schema.arguments if not a.kwarg_only]
-    for a, v in zip(positional, args):
-        out[a.name] = v
-    for a in func._schema.arguments:
-        if a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.name not in out and a.has_default_value():
-            out[a.name] = a.default_value
-    return out
 
 
 def _probe(func, dtype, bound: dict) -> None:
@@ -274,7 +262,7 @@ def _distribution(func, args, kwargs):
     in_place = _FUNCTIONAL.get(func, func)
     kind, names = _IN_PLACE[in_place]
     x = args[0]
-    bound = _bind(func, args, kwargs)
+    bound = bind_args(func, args, kwargs)
     dtype = x.dtype
     _probe(in_place, dtype, bound)
     spec = _without_partial(x._spec)
@@ -289,7 +277,7 @@ def _distribution(func, args, kwargs):
 def _random_(func, args, kwargs):
     """``random_()``: ``[0, 2**mantissa]`` for floats, ``[0, max]`` for ints; ``random_(from, to)``: ``[from, to)``."""
     x = args[0]
-    bound = _bind(func, args, kwargs)
+    bound = bind_args(func, args, kwargs)
     _probe(func, x.dtype, bound)
     low = int(bound.get("from", 0) or 0)
     high = bound.get("to")
@@ -313,7 +301,7 @@ def _random_top(dtype: torch.dtype) -> int:
 def _like(kind):
     def rule(func, args, kwargs):
         x = args[0]
-        bound = _bind(func, args, kwargs)
+        bound = bind_args(func, args, kwargs)
         local = x._local_tensor
         dtype = bound.get("dtype") or x.dtype
         device = bound.get("device") or local.device
@@ -333,7 +321,7 @@ def _like(kind):
 def _bernoulli_tensor(func, args, kwargs):
     """``x.bernoulli_(p_tensor)`` / ``torch.bernoulli(probs)`` / ``torch.bernoulli(x, p_tensor)``."""
     x = args[0]
-    bound = _bind(func, args, kwargs)
+    bound = bind_args(func, args, kwargs)
     p = x if func is aten.bernoulli.default else bound["p"]
     if func is not aten.bernoulli.default:
         meta_output(func, [t for t in (x, p)], {})  # shape errors, the same on every rank
@@ -352,7 +340,7 @@ def _bernoulli_tensor(func, args, kwargs):
 def _normal_tensors(func, args, kwargs):
     """``torch.normal(mean, std)`` with a tensor mean and/or std: ``mean + std * z``, z laid out like the output."""
     ShardTensor = shard_tensor_cls()
-    bound = _bind(func, args, kwargs)
+    bound = bind_args(func, args, kwargs)
     mean, std = bound["mean"], bound["std"]
     out = meta_output(func, [mean, std], {})
     operands = [t for t in (mean, std) if isinstance(t, ShardTensor)]

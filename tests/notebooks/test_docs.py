@@ -23,6 +23,7 @@ def test_api_reference_is_up_to_date():
     actual = (ROOT / "docs" / "api.md").read_text()
     diff = "".join(list(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True), "committed", "generated"))[:60])
     assert actual == expected, f"docs/api.md is out of date; run `python tools/gen_api_docs.py`:\n{diff}"
+    assert str(ROOT) not in actual, "docs/api.md names a path of this checkout (a module in some __all__?)"
 
 
 def test_relative_links_resolve():

@@ -12,18 +12,6 @@ from ..._redistribute import grad_layout, redistribute_local
 from ...rule_kit import replicated_to_box, resolve_partial, shard_tensor_cls, to_layout, unshard_dims, wrap
 
 
-def bind(func, args, kwargs) -> dict:
-    """Arguments of an ATen call by schema name, defaults filled in."""
-    out = {}
-    positional = [a for a in func._schema.arguments if not a.kwarg_only]
-    for a, v in zip(positional, args):
-        out[a.name] = v
-    for a in func._schema.arguments:
-        if a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.name not in out and a.has_default_value():
-            out[a.name] = a.default_value
-    return out
 
 
 def mesh_dims_of(spec, d: int) -> tuple[int, ...]:

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from ...rule_kit import normalize_dim, resolve_partial, wrap
-from ._common import bind, gather_shards, last_slice, mesh_dims_of, resolve_nonlinear_partial, shard_index
+from ...rule_kit import bind_args, normalize_dim, resolve_partial, wrap
+from ._common import gather_shards, last_slice, mesh_dims_of, resolve_nonlinear_partial, shard_index
 
 aten = torch.ops.aten
 
@@ -40,7 +40,7 @@ _SCANS = {
 
 def _scan(func, args, kwargs):
     scan = _SCANS[func]
-    b = bind(func, args, kwargs)
+    b = bind_args(func, args, kwargs)
     x = b.pop("self")
     local, spec = resolve_nonlinear_partial(x) if scan.linear else resolve_partial(x)
     d = normalize_dim(b.pop("dim"), x.ndim)
@@ -59,7 +59,7 @@ def _wins(func):
 
 
 def _cummaxmin(func, args, kwargs):
-    b = bind(func, args, kwargs)
+    b = bind_args(func, args, kwargs)
     x = b["self"]
     local, spec = resolve_partial(x)
     d = normalize_dim(b["dim"], x.ndim)

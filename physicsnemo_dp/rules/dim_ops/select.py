@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ...rule_kit import normalize_dim, resolve_partial, wrap
-from ._common import bind, gather_shards, mesh_dims_of, on_whole_dims, resized
+from ...rule_kit import bind_args, normalize_dim, resolve_partial, wrap
+from ._common import gather_shards, mesh_dims_of, on_whole_dims, resized
 
 aten = torch.ops.aten
 
 
 def _sort(func, args, kwargs):
-    b = bind(func, args, kwargs)
+    b = bind_args(func, args, kwargs)
     x = b.pop("self")
     b["dim"] = normalize_dim(b["dim"], x.ndim)
     if not mesh_dims_of(x._spec, b["dim"]):
@@ -36,7 +36,7 @@ def _sort(func, args, kwargs):
 
 
 def _topk(func, args, kwargs):
-    b = bind(func, args, kwargs)
+    b = bind_args(func, args, kwargs)
     x, k = b["self"], int(b["k"])
     d = normalize_dim(b["dim"], x.ndim)
     if not 0 <= k <= (x.shape[d] if x.ndim else 1):

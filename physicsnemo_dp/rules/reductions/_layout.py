@@ -22,24 +22,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ...rule_kit import normalize_dim
 
 
-def bind(func, args, kwargs) -> dict:
-    """Arguments of an ATen call by schema name, defaults filled in."""
-    bound = {}
-    positional = iter(args)
-    for a in func._schema.arguments:
-        if not a.kwarg_only:
-            value = next(positional, _MISSING)
-            if value is not _MISSING:
-                bound[a.name] = value
-                continue
-        if a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-        else:
-            bound[a.name] = a.default_value if a.has_default_value() else None
-    return bound
 
 
-_MISSING = object()
 
 
 def reduced_dims(dim, ndim: int, *, empty_means_all: bool = True) -> tuple[int, ...]:

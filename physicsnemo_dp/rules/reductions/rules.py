@@ -30,9 +30,9 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ..._torch_compat import pytree
-from ...rule_kit import meta_output, resolve_partial, wrap
+from ...rule_kit import bind_args, meta_output, resolve_partial, wrap
 from ._combine import NO_INDEX, all_reduce_sum, gather_combine, identity, pick
-from ._layout import Reduction, bind, reduced_dims
+from ._layout import Reduction, reduced_dims
 
 aten = torch.ops.aten
 
@@ -40,7 +40,7 @@ aten = torch.ops.aten
 def _prepare(func, args, kwargs, *, linear: bool = False, empty_means_all: bool = True):
     """``(local, reduction, bound args, meta output)`` with pending reductions the op cannot keep done."""
     meta = meta_output(func, args, kwargs)
-    b = bind(func, args, kwargs)
+    b = bind_args(func, args, kwargs)
     x = b["self"]
     keep = ("sum", "avg") if linear else ()
     pending = [m for m, p in enumerate(x._spec.placements) if isinstance(p, Partial) and p.reduce_op not in keep]

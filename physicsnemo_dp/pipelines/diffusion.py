@@ -117,7 +117,8 @@ class DiffusionPipeline:
             ValueError: no components; a name in ``frozen`` or
                 ``components_to_parallelize`` that is not a component; a
                 component both frozen and selected for parallelization.
-            (and whatever ``parallelize_model`` raises, e.g. CapabilityError)
+            CapabilityError: a selected component cannot be parallelized as the
+                context asks (raised by ``parallelize_model``, like its other errors).
         """
         if not isinstance(components, Mapping) or not components:
             raise ValueError(f"components must be a non-empty mapping of names to nn.Modules, got {components!r}")

@@ -36,3 +36,18 @@ def argv(options: dict, out) -> list[str]:
     """Command-line flags from ``{"--flag": value}`` (``None``: a switch), plus ``--out``."""
     flags = [str(x) for k, v in options.items() for x in ((k,) if v is None else (k, v))]
     return [*flags, "--out", str(out)]
+
+
+def summary(result: dict, *extra: str) -> dict:
+    """What a training body sends back: losses, test loss, the figures' paths, and ``extra`` keys."""
+    out = {"losses": result["losses"], "files": {name: str(path) for name, path in result["files"].items()}}
+    out.update({key: result[key] for key in ("test_loss", *extra) if key in result})
+    return out
+
+
+def help_text(parse_args, capsys) -> str:
+    """The example's ``--help`` output; ``--help`` must exit with status 0."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out

@@ -10,7 +10,7 @@ import torch
 
 import diffusion_darcy
 
-from ._run import argv, context, on_layout
+from ._run import argv, context, help_text, on_layout, summary
 
 # 18 rows: 9 after pooling, uneven over 2 domain ranks; one pooling level and 2 noise levels keep it fast
 TINY = {"--grid": 18, "--samples": 8, "--test-samples": 1, "--width": 8, "--depth": 1, "--batch-size": 4,
@@ -20,18 +20,14 @@ TINY = {"--grid": 18, "--samples": 8, "--test-samples": 1, "--width": 8, "--dept
 def train(ctx, out: str, options: dict, strategy: str) -> dict:
     """Rank body: the example's whole run on this job's mesh."""
     result = diffusion_darcy.run(argv({**options, "--strategy": strategy}, out), context(ctx, strategy))
-    return {"losses": result["losses"], "p_difference": result["p_difference"], "sample": result["sample"],
-            "files": {name: str(path) for name, path in result["files"].items()}}
+    return summary(result, "p_difference", "sample")
 
 
 def test_arguments(capsys):
     args = diffusion_darcy.parse_args([])
     assert (args.strategy, args.sample_steps, args.churn, args.grid) == ("ddp", 18, 10.0, 32)
-    with pytest.raises(SystemExit) as exit_:
-        diffusion_darcy.parse_args(["--help"])
-    assert exit_.value.code == 0
-    help_text = capsys.readouterr().out
-    assert all(flag in help_text for flag in ("--domain-size", "--strategy", "--steps", "--out", "--sample-steps"))
+    text = help_text(diffusion_darcy.parse_args, capsys)
+    assert all(flag in text for flag in ("--domain-size", "--strategy", "--steps", "--out", "--sample-steps"))
 
 
 @pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ import pytest
 import fno_darcy
 
 from . import EXAMPLES
-from ._run import argv, context, on_layout
+from ._run import argv, context, help_text, on_layout, summary
 
 ROOT = EXAMPLES.parent
 # 18 rows over 2 or 4 domain ranks: uneven 10 frequency columns after rfft2 (18 // 2 + 1) over the ranks
@@ -28,20 +28,15 @@ TINY = {"--grid": 18, "--samples": 12, "--test-samples": 2, "--width": 12, "--mo
 
 def train(ctx, out: str, options: dict, strategy: str) -> dict:
     """Rank body: the example's whole run on this job's mesh."""
-    result = fno_darcy.run(argv({**options, "--strategy": strategy}, out), context(ctx, strategy))
-    return {"losses": result["losses"], "test_loss": result["test_loss"],
-            "files": {name: str(path) for name, path in result["files"].items()}}
+    return summary(fno_darcy.run(argv({**options, "--strategy": strategy}, out), context(ctx, strategy)))
 
 
 def test_arguments(capsys):
     args = fno_darcy.parse_args([])
     assert (args.strategy, args.model, args.grid, args.modes) == ("ddp", "auto", 64, 12)
     assert fno_darcy.model_kind("plain") == "plain"
-    with pytest.raises(SystemExit) as exit_:
-        fno_darcy.parse_args(["--help"])
-    assert exit_.value.code == 0
-    help_text = capsys.readouterr().out
-    assert all(flag in help_text for flag in ("--domain-size", "--strategy", "--model", "--modes", "--resume"))
+    text = help_text(fno_darcy.parse_args, capsys)
+    assert all(flag in text for flag in ("--domain-size", "--strategy", "--model", "--modes", "--resume"))
 
 
 @pytest.mark.timeout(600)

@@ -13,7 +13,7 @@ import pytest
 import unet_darcy
 
 from . import EXAMPLES
-from ._run import argv, context, on_layout
+from ._run import argv, context, help_text, on_layout, summary
 
 ROOT = EXAMPLES.parent
 # 20 rows: uneven shards after pooling (20 -> 10 -> 5 rows, over 2 or 4 domain ranks)
@@ -23,20 +23,15 @@ TINY = {"--grid": 20, "--samples": 16, "--test-samples": 2, "--width": 8, "--bat
 
 def train(ctx, out: str, options: dict, strategy: str) -> dict:
     """Rank body: the example's whole run on this job's mesh."""
-    result = unet_darcy.run(argv({**options, "--strategy": strategy}, out), context(ctx, strategy))
-    return {"losses": result["losses"], "test_loss": result["test_loss"],
-            "files": {name: str(path) for name, path in result["files"].items()}}
+    return summary(unet_darcy.run(argv({**options, "--strategy": strategy}, out), context(ctx, strategy)))
 
 
 def test_arguments(capsys):
     args = unet_darcy.parse_args([])
     assert (args.strategy, args.device, args.grid, args.resume) == ("ddp", "cpu", 64, None)
     assert unet_darcy.parse_args(["--resume"]).resume == "latest"
-    with pytest.raises(SystemExit) as exit_:
-        unet_darcy.parse_args(["--help"])
-    help_text = capsys.readouterr().out
-    assert exit_.value.code == 0
-    assert all(flag in help_text for flag in ("--domain-size", "--ddp-size", "--strategy", "--device", "--resume"))
+    text = help_text(unet_darcy.parse_args, capsys)
+    assert all(flag in text for flag in ("--domain-size", "--ddp-size", "--strategy", "--device", "--resume"))
 
 
 @pytest.mark.timeout(900)

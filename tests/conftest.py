@@ -10,14 +10,23 @@ def pytest_sessionfinish(session, exitstatus):
     close_all()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``spectral_extra`` (they import neuraloperator on every rank) run only with ``-m spectral_extra``.
+_EXTRAS = {
+    "spectral_extra": "spectral extra: pip install -e '.[spectral]', then pytest -m spectral_extra",
+    "graph_extra": "graph extra: pip install -e '.[graph]', then pytest -m graph_extra",
+}
 
-    Without the ``spectral`` extra installed they skip (``pytest.importorskip``).
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of an optional extra (marked ``spectral_extra`` or ``graph_extra``: they import a large third-party
+    library on every rank) run only when ``-m`` names their marker.
+
+    Without the extra installed they skip (``pytest.importorskip``).
     """
-    if "spectral_extra" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="spectral extra: pip install -e '.[spectral]', then pytest -m spectral_extra")
-    for item in items:
-        if "spectral_extra" in item.keywords:
-            item.add_marker(skip)
+    selected = config.getoption("-m") or ""
+    for marker, reason in _EXTRAS.items():
+        if marker in selected:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -528,3 +528,26 @@ def default_store():
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._get_default_store()
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int):
+    """A default process group of ``world_size`` ranks that moves no data, seen as ``rank``.
+
+    torch's fake process group (``torch.testing._internal.distributed.fake_pg``)
+    accepts every collective and returns at once, so one process can run the
+    code of one rank of a large job: the rules plan and call collectives as on
+    the real machine, with meta tensors standing in for data. Used by the
+    simulator and by overhead benchmarks at large ``P``. Any default group
+    already initialised is refused, not replaced.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_process_group: a default process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

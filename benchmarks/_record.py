@@ -14,7 +14,8 @@ class Result:
     """A value, its same-run baseline and their ratio, with the target it should meet.
 
     ``target`` is ``("<=", x)`` or ``(">=", x)``; ``met`` says whether the ratio
-    meets it (None: no target, the ratio is informative).
+    meets it (None: no target, the ratio is informative). ``local_size`` is
+    the per-rank problem size of a point on a scaling curve (else None).
     """
 
     suite: str
@@ -24,6 +25,7 @@ class Result:
     baseline: float
     unit: str
     target: tuple[str, float] | None = None
+    local_size: int | None = None
 
     @property
     def ratio(self) -> float:

@@ -118,6 +118,42 @@ def _pipe_epoch(pipe: DomainPipe, step: tuple | None) -> float:
     return time.perf_counter() - start
 
 
+def _steady_step(batches, step: tuple) -> float:
+    """Seconds per training step once the first batch is in: the first read overlaps with nothing.
+
+    ``batches`` yields the data (the pipe, or arrays already in memory); each
+    is handed to the simulated ``step`` and dropped, as a training loop does.
+    """
+    iterator = iter(batches)
+    first = next(iterator)
+    _step(*step)
+    del first
+    start, n = time.perf_counter(), 0
+    for batch in iterator:
+        _step(*step)
+        del batch
+        n += 1
+    return (time.perf_counter() - start) / max(n, 1)
+
+
+def _overlap(pipes: dict, memory: list, kinds, step_s: float, other, epochs: int) -> dict:
+    """``{kind: {"memory" or mode: seconds}}``: steady step time on data in memory and with each prefetching pipe.
+
+    Fastest of ``epochs`` interleaved epochs, all ranks starting together.
+    """
+    best: dict = {kind: {} for kind in kinds}
+    sources = {"memory": memory, **{m: p for m, p in pipes.items() if m != "inline"}}
+    for round_ in range(epochs + 1):  # the first round warms up
+        for kind in kinds:
+            step = (kind, step_s, other, np.empty(1 << 16))
+            for name, batches in sources.items():
+                dist.barrier()
+                seconds = _steady_step(batches, step)
+                if round_:
+                    best[kind][name] = min(best[kind].get(name, seconds), seconds)
+    return best
+
+
 def _cpu_seconds() -> float:
     """CPU time used so far by this process (all threads) and its live children (the reader process).
 
@@ -135,8 +171,13 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
     """This rank's figures for every layout: bare and pipe epoch times, ratios, simulated steps.
 
     ``args`` needs ``epochs``, ``step_ms`` and ``steps`` (the simulated step
-    kinds to run; none for the plain throughput comparison); ``scratch`` is a
-    path prefix for the file the ``h5py`` step reads.
+    kinds to run; none for the plain throughput comparison), optionally
+    ``step_factor`` (the step lasts that many bare reads of a batch when
+    ``step_ms`` is None; default 1); ``scratch`` is a path prefix for the
+    file the ``h5py`` step reads. With steps, each prefetching mode also
+    reports ``<kind>_steady_step_ms`` (a step's time once the first batch is
+    in) and ``<kind>_step_vs_memory``, that over the same step's on data
+    already in memory (``<kind>_steady_step_memory_ms``; 1.0 = reading fully hidden).
     """
     rank = dist.get_rank()
     with h5py.File(f"{scratch}.rank{rank}.h5", "w") as f:  # what the "h5py" step reads
@@ -153,7 +194,8 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
             dsets = [f[v] for v in VARIABLES]
             runs = {"bare": partial(_bare_epoch, dsets, buffers, box, samples)}
             bare = fastest(runs, args.epochs)["bare"]
-            step_s = (args.step_ms / 1000) if args.step_ms is not None else bare / len(samples)
+            factor = getattr(args, "step_factor", 1.0)
+            step_s = (args.step_ms / 1000) if args.step_ms is not None else factor * bare / len(samples)
             for mode, pipe in pipes.items():
                 runs[mode] = partial(_pipe_epoch, pipe, None)
                 for kind in args.steps:
@@ -161,6 +203,9 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
             timed = fastest_by(runs, args.epochs, (time.perf_counter, _cpu_seconds))
             best = {name: wall for name, (wall, _) in timed.items()}
             cpu = {name: used for name, (_, used) in timed.items()}
+            memory = [[b.copy() for b in buffers] for _ in samples]  # the data "already in memory"
+            kinds = args.steps if len(samples) > 1 else ()  # a steady step needs a batch after the first
+            overlap = _overlap(pipes, memory, kinds, step_s, other["x"], args.epochs)
         for pipe in pipes.values():
             pipe.close()
         bare = best["bare"]
@@ -168,12 +213,17 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
         row = {"slab_MiB_per_epoch": slab_bytes / 2**20, "bare_s": bare, "bare_MiB_s": slab_bytes / bare / 2**20,
                "bare_cpu_s": cpu["bare"], "step_ms": step_s * 1000,
                "ideal_speedup_vs_serial": serial / max(bare, step_s * len(samples)), "modes": {}}
+        for kind in overlap:
+            row[f"{kind}_steady_step_memory_ms"] = overlap[kind]["memory"] * 1000
         for mode in MODES:
             row["modes"][mode] = {"epoch_s": best[mode], "ratio": bare / best[mode], "cpu_s": cpu[mode],
                                   "cpu_ratio": cpu["bare"] / cpu[mode]}
             for kind in args.steps:
                 row["modes"][mode][f"{kind}_step_epoch_s"] = best[f"{mode}+{kind}"]
                 row["modes"][mode][f"{kind}_step_speedup_vs_serial"] = serial / best[f"{mode}+{kind}"]
+                if mode in overlap.get(kind, {}):
+                    row["modes"][mode][f"{kind}_steady_step_ms"] = overlap[kind][mode] * 1000
+                    row["modes"][mode][f"{kind}_step_vs_memory"] = overlap[kind][mode] / overlap[kind]["memory"]
         mine[layout] = row
     return mine
 

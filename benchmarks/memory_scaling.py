@@ -44,9 +44,9 @@ SUITE = "memory_scaling"
 
 def sizes(tiny: bool, scale: float) -> dict:
     if tiny:
-        return dict(rows=16, cols=8, width=4, seq=16, dim=16, tokens=8, fno_grid=16)
+        return dict(rows=16, cols=8, width=4, seq=16, dim=16, tokens=8, fno_grid=16, ring_seq=32)
     return dict(rows=int(256 * scale), cols=int(256 * scale), width=16, seq=int(1024 * scale), dim=64,
-                tokens=int(256 * scale), fno_grid=int(256 * scale))  # fmt: skip
+                tokens=int(256 * scale), fno_grid=int(256 * scale), ring_seq=int(4096 * scale))  # fmt: skip
 
 
 def _fno(mesh, grid: int, width: int) -> tuple:
@@ -67,10 +67,22 @@ def _fno(mesh, grid: int, width: int) -> tuple:
     return net, x, _models.shard(x, mesh, 2)
 
 
-def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int, fno_grid: int,
-        compare_dtensor: bool = False) -> list[Result]:  # fmt: skip
+def _ring_block(mesh, seq: int, dim: int) -> Result:
+    """The transformer block at ``seq`` tokens (4,096 by default), strong scaling: issue 19's memory target."""
     P = mesh.size()
-    results = []
+    case = _models.cases(16, 16, dim)["transformer block"]
+    net = _models.model(case, mesh)
+    plain, sharded = _models.scaling_inputs(case, mesh, seq, seq)["strong"]
+    single = peak_bytes(lambda: _models.train_step(net, plain))
+    per_rank = over_ranks(peak_bytes(lambda: _models.train_step(net, sharded)), "max")
+    return Result(SUITE, f"transformer block, {seq} tokens, strong: per-rank peak / ideal", P, per_rank, single / P,
+                  "bytes", ("<=", 1.2))  # fmt: skip
+
+
+def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int, fno_grid: int,
+        compare_dtensor: bool = False, ring_seq: int = 4096) -> list[Result]:  # fmt: skip
+    P = mesh.size()
+    results = [_ring_block(mesh, ring_seq, dim)]
     for name, net, inputs in _models.scaling_runs(mesh, rows, cols, width, seq, dim):
         for kind, (plain, sharded) in inputs.items():
             single = peak_bytes(lambda: _models.train_step(net, plain))

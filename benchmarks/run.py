@@ -28,7 +28,8 @@ import torch
 from benchmarks._record import over_ranks
 from physicsnemo_dp import launch
 
-SUITES = ("comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io_throughput")
+SUITES = ("comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io_throughput",
+          "scaling_curves", "graph", "graph_search", "mesh_prepare")
 
 
 def _rank_body(mesh, suites, scale: float, tiny: bool, compare_dtensor: bool):
@@ -50,13 +51,16 @@ def _rank_body(mesh, suites, scale: float, tiny: bool, compare_dtensor: bool):
 
 
 def _plot(results: list[dict], out: Path) -> list[Path]:
+    """A bar chart of ratios per suite; the scaling curves draw their own (efficiency vs local size)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    for suite in sorted({r["suite"] for r in results}):
+    from benchmarks import scaling_curves
+
+    paths = scaling_curves.plot(results, out)
+    for suite in sorted({r["suite"] for r in results} - {scaling_curves.SUITE}):
         order = {c: i for i, c in enumerate(dict.fromkeys(r["case"] for r in results))}
         rows = sorted((r for r in results if r["suite"] == suite), key=lambda r: (order[r["case"]], r["world_size"]))
         labels = [f"{r['case']} (P={r['world_size']})" for r in rows]
@@ -122,9 +126,14 @@ def main(argv=None) -> int:
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     plots = _plot(results, args.out)
+    if "graph" in args.suites:  # ghost-node fraction vs P of the SFC partition: counted in this process, no ranks
+        from benchmarks import graph
+
+        plots += graph.plots(args.out, args.tiny, args.scale)
     for r in results:
         flag = {True: "ok  ", False: "MISS", None: "    "}[r["met"]]
-        print(f"{flag} {r['suite']:<18} P={r['world_size']} {r['case']:<48} ratio {r['ratio']:.3f}")
+        size = "" if r.get("local_size") is None else f" (local {r['local_size']})"
+        print(f"{flag} {r['suite']:<18} P={r['world_size']} {r['case'] + size:<48} ratio {r['ratio']:.3f}")
     print(f"report: {args.out / 'report.json'}; plots: {', '.join(str(p) for p in plots)}")
     return 0
 

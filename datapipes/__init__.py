@@ -8,6 +8,10 @@ The pieces, one module each:
 * sources — :class:`HDF5Fields`, :class:`XarrayFields` (netCDF, Zarr) and
   :class:`MeshSource` (meshes prepared by :func:`prepare_mesh`) read one box of
   one variable of one sample into a caller's buffer;
+* :func:`prepare_mesh` — sort a mesh along a space-filling curve, in memory,
+  out of core or on many ranks; :func:`read_mesh` / :class:`MeshArrays` —
+  VTK, XDMF, Gmsh, Exodus (meshio), ``.npz`` and HDF5 meshes with mixed cells
+  (:mod:`datapipes.mesh_formats`);
 * :class:`DomainPipe` — samples over the ``"ddp"`` mesh dim, boxes over the
   domain, background reading, transforms, and ShardTensors built without
   communication; :class:`SampleOrder` is its sample order;
@@ -25,6 +29,7 @@ from .decomposition import DomainDecomposition, balanced_sizes
 from .errors import DataPipeError, DecompositionError, InvalidValuesError, MissingDataError
 from .hdf5 import HDF5Fields, aligned_chunks
 from .mesh import MeshSource, prepare_mesh
+from .mesh_formats import MeshArrays, read_mesh
 from .pipe import Batch, DomainPipe
 from .sampler import SampleOrder
 from .source import GridSource, Source, Split
@@ -41,6 +46,7 @@ __all__ = [
     "GridSource",
     "HDF5Fields",
     "InvalidValuesError",
+    "MeshArrays",
     "MeshSource",
     "MissingDataError",
     "Normalize",
@@ -54,5 +60,6 @@ __all__ = [
     "check_all_ranks",
     "compute_statistics",
     "prepare_mesh",
+    "read_mesh",
     "write_shards",
 ]

@@ -17,6 +17,7 @@ them (the process attaches by name, see :mod:`datapipes.prefetch`).
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class ArraySpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize  # math.prod: a few us less than np.prod, per batch
 
 
 def layout_arrays(arrays: dict[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[tuple[ArraySpec, ...], int]:
@@ -113,23 +114,22 @@ class BufferPool:
                 self._free.append(buf)
 
     def hand_out(self, buf: Buffer, specs: tuple[ArraySpec, ...]) -> dict[str, np.ndarray]:
-        """Views of ``buf`` for the user; ``buf`` returns to the pool when all of them are gone."""
-        arrays = view_arrays(buf.memory, specs)
-        if not arrays:
+        """Views of ``buf`` for the user; ``buf`` returns to the pool when all of them are gone.
+
+        Every array is a view of one per-batch ``owner`` array (numpy makes
+        ``owner`` their ``base``: it does not collapse a view's base past an
+        array whose own base is not an array, here a fresh ``memoryview``), so
+        a single finalizer on ``owner`` fires when the last array, or tensor
+        made from one, is gone. One finalizer per batch instead of one per
+        array with a shared counter and lock: that bookkeeping cost as much
+        as reading a small slab.
+        """
+        if not specs:
             self.release(buf)
-            return arrays
-        live = [len(arrays)]
-        lock = threading.Lock()
-
-        def one_gone() -> None:
-            with lock:
-                live[0] -= 1
-                done = live[0] == 0
-            if done:
-                self.release(buf)
-
-        for array in arrays.values():
-            weakref.finalize(array, one_gone)
+            return {}
+        owner = np.frombuffer(memoryview(buf.memory), np.uint8)
+        arrays = {s.name: owner[s.offset : s.offset + s.nbytes].view(np.dtype(s.dtype)).reshape(s.shape) for s in specs}
+        weakref.finalize(owner, self.release, buf)
         return arrays
 
     def take_freed_names(self) -> tuple[str, ...]:

@@ -16,13 +16,28 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CURVES", "curve_order", "hilbert_keys", "morton_keys", "quantize"]
+__all__ = ["CURVES", "bounding_cube", "curve_order", "hilbert_keys", "morton_keys", "quantize"]
 
 DEFAULT_BITS = 16
 
 
-def quantize(points: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
-    """Integer cell coordinates in ``[0, 2**bits)`` of ``(n, ndim)`` points on their bounding cube."""
+def bounding_cube(low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, float]:
+    """``(corner, edge)`` of the cube :func:`quantize` uses for points with these per-axis bounds.
+
+    A mesh read in pieces (on several ranks, or in chunks) reduces the
+    pieces' minima and maxima first: min and max are exact, so the cube and
+    hence every key equal those of the whole mesh in one array.
+    """
+    low = np.asarray(low, dtype=np.float64)
+    return low, float((np.asarray(high, dtype=np.float64) - low).max()) or 1.0
+
+
+def quantize(points: np.ndarray, bits: int = DEFAULT_BITS, cube: tuple[np.ndarray, float] | None = None) -> np.ndarray:
+    """Integer cell coordinates in ``[0, 2**bits)`` of ``(n, ndim)`` points on their bounding cube.
+
+    ``cube`` (from :func:`bounding_cube`) fixes the cube instead, for points
+    that are a part of a larger mesh.
+    """
     points = np.asarray(points, dtype=np.float64)
     if points.ndim != 2 or points.shape[1] < 1:
         raise ValueError(f"points must have shape (n, ndim), got {points.shape}")
@@ -30,8 +45,7 @@ def quantize(points: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
         raise ValueError(f"bits={bits} with {points.shape[1]} dims does not fit a 64-bit key")
     if len(points) == 0:
         return np.zeros(points.shape, dtype=np.uint64)
-    lo = points.min(axis=0)
-    extent = float((points.max(axis=0) - lo).max()) or 1.0
+    lo, extent = cube if cube is not None else bounding_cube(points.min(axis=0), points.max(axis=0))
     cells = np.floor((points - lo) / extent * (1 << bits))
     return np.clip(cells, 0, (1 << bits) - 1).astype(np.uint64)
 
@@ -46,20 +60,20 @@ def _interleave(axes: list[np.ndarray], bits: int) -> np.ndarray:
     return key
 
 
-def morton_keys(points: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+def morton_keys(points: np.ndarray, bits: int = DEFAULT_BITS, cube=None) -> np.ndarray:
     """Morton (Z-order) key of each point: the interleaved bits of its cell coordinates."""
-    cells = quantize(points, bits)
+    cells = quantize(points, bits, cube)
     return _interleave([cells[:, i] for i in range(cells.shape[1])], bits)
 
 
-def hilbert_keys(points: np.ndarray, bits: int = DEFAULT_BITS) -> np.ndarray:
+def hilbert_keys(points: np.ndarray, bits: int = DEFAULT_BITS, cube=None) -> np.ndarray:
     """Hilbert key of each point (Skilling's transpose algorithm, any number of dims).
 
     J. Skilling, "Programming the Hilbert curve", AIP Conf. Proc. 707 (2004):
     the cell coordinates are turned into the curve's "transposed" index by
     bitwise exchanges and a Gray code, then the bits are interleaved.
     """
-    cells = quantize(points, bits)
+    cells = quantize(points, bits, cube)
     x = [cells[:, i].copy() for i in range(cells.shape[1])]
     n = len(x)
     q = 1 << (bits - 1)

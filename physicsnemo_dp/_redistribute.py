@@ -77,14 +77,33 @@ def _exchange(local, src_sizes, dst_sizes, src_dim, dst_dim, mesh, m, me):
             shape[dst_dim] = extent
         return shape
 
-    sends = [local.narrow(dst_dim, *block(me, j)).reshape(-1) for j in range(group)]
-    send = torch.cat(sends)
-    in_splits = [t.numel() for t in sends]
+    # Tensors only for the non-empty blocks: at large P most blocks are empty, and a
+    # narrow/reshape per rank would make every call O(P) in tensor ops.
+    row = _numel(local.shape) // local.shape[dst_dim] if local.shape[dst_dim] else 0
+    blocks = [block(me, j) for j in range(group)]
+    in_splits = [row * extent for _, extent in blocks]
+    sends = [local.narrow(dst_dim, start, extent).reshape(-1) for start, extent in blocks if extent]
+    send = torch.cat(sends) if sends else local.new_empty(0)
     out_shapes = [block_shape(i, me) for i in range(group)]
-    out_splits = [int(torch.Size(s).numel()) for s in out_shapes]
+    out_splits = [_numel(s) for s in out_shapes]
     received = collectives.all_to_all_v(send, in_splits, out_splits, mesh, m)
-    pieces = [p.reshape(s) for p, s in zip(received.split(out_splits), out_shapes)]
+    pieces, start = [], 0
+    for shape, n in zip(out_shapes, out_splits):
+        if n:
+            pieces.append(received.narrow(0, start, n).reshape(shape))
+        start += n
+    if not pieces:
+        shape = list(out_shapes[0])
+        shape[src_dim] = sum(s[src_dim] for s in out_shapes)
+        return received.new_empty(shape)
     return torch.cat(pieces, dim=src_dim)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _run_step(local: torch.Tensor, step: Step, mesh: DeviceMesh, coord) -> torch.Tensor:

@@ -551,3 +551,69 @@ def fake_process_group(world_size: int, rank: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- #
+# debug.explain / debug.simulate
+# --------------------------------------------------------------------------- #
+def is_wrapper_subclass_type(cls) -> bool:
+    """Whether ``cls`` is a wrapper tensor subclass (ShardTensor, DTensor): its ops run on inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+    return is_traceable_wrapper_subclass_type(cls)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of ``tensor``'s storage, for real and meta tensors alike.
+
+    ``data_ptr()`` is 0 for every meta storage; the address of the C++
+    StorageImpl tells meta storages apart and is shared by every view.
+    """
+    return tensor.untyped_storage()._cdata
+
+
+def fused_sdp_choice(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool) -> int:
+    """The SDPA backend (``torch.nn.attention.SDPBackend`` value) torch picks for these arguments on their device."""
+    return torch._fused_sdp_choice(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def subclass_torch_function_disabled() -> bool:
+    """Whether this call runs with subclasses' ``__torch_function__`` skipped (inside a library composite)."""
+    return torch._C._get_torch_function_state() != torch._C._TorchFunctionState.ENABLED
+
+
+# --------------------------------------------------------------------------- #
+# Hot path of the dispatch hooks
+# --------------------------------------------------------------------------- #
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is active (it must see ShardTensor ops, so fast paths that skip
+    the dispatcher step aside)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+#: The frame-evaluation callback Dynamo installs (None in plain eager code); read on every op, so bound once.
+eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+class SubclassFunction(Function):
+    """A :class:`Function` whose tensor arguments are always library subclasses (ShardTensors).
+
+    torch's ``apply`` first unwraps functorch wrappers left over from an exited
+    transform ("dead wrappers", ~1 us a call on the hot path of every
+    contraction). A ShardTensor argument is never such a wrapper (they are
+    plain tensors wrapping others), so outside functorch transforms this
+    ``apply`` goes straight to autograd's C++ ``apply``.
+    """
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        if kwargs or torch._C._are_functorch_transforms_active() or not _binds_to_itself(cls, len(args)):
+            return super().apply(*args, **kwargs)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+#: ``torch.Tensor._make_wrapper_subclass`` itself (what :func:`make_wrapper_subclass` calls), for the
+#: constructor every op result goes through: one Python frame less per op.
+make_wrapper_subclass_raw = torch.Tensor._make_wrapper_subclass

@@ -9,7 +9,7 @@ never import each other. To add a family: write its module with ``RULES``
 
 from __future__ import annotations
 
-from . import attention, spatial
+from . import attention, graph, spatial
 from .dispatch import table
 from .rules import dim_ops, fft, indexing, joins, matmul, pointwise, random, reductions, tensor_like, views
 
@@ -17,7 +17,8 @@ __all__ = ["FAMILIES"]
 
 #: Later families win where two name the same op.
 FAMILIES = (
-    tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, fft, spatial, attention, random,
+    tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, graph, fft, spatial, attention,
+    random,
 )
 
 table.install(FAMILIES, pointwise_rule=pointwise.pointwise_rule)

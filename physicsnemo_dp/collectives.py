@@ -60,7 +60,8 @@ class CommCounter:
     def total_received(self) -> int:
         return sum(self.bytes_received.values())
 
-    def record(self, kind: str, sent: int, received: int) -> None:
+    def record(self, kind: str, sent: int, received: int, mesh: DeviceMesh | None = None, mesh_dim: int | None = None) -> None:
+        """Add one collective; ``mesh``/``mesh_dim`` say where it ran (a counter only totals per kind)."""
         self.calls[kind] += 1
         self.bytes_sent[kind] += int(sent)
         self.bytes_received[kind] += int(received)
@@ -72,7 +73,10 @@ class CommCounter:
         }
 
 
-_ACTIVE: list[CommCounter] = []
+#: Everything listening to the collectives: counters, and ``debug.explain``'s
+#: recorder, which files the same events under the op that issued them (so a
+#: counter's totals are a view of explain's records: the same stream, summed).
+_ACTIVE: list = []
 
 
 @contextlib.contextmanager
@@ -81,17 +85,23 @@ def count_collectives() -> Iterator[CommCounter]:
 
     Counters nest: an inner block's traffic is also seen by outer ones.
     """
-    counter = CommCounter()
-    _ACTIVE.append(counter)
-    try:
+    with _listening(CommCounter()) as counter:
         yield counter
+
+
+@contextlib.contextmanager
+def _listening(sink):
+    """Send every collective inside the block to ``sink.record(kind, sent, received, mesh, mesh_dim)``."""
+    _ACTIVE.append(sink)
+    try:
+        yield sink
     finally:
-        _ACTIVE.remove(counter)
+        _ACTIVE.remove(sink)
 
 
-def _record(kind: str, sent: int, received: int) -> None:
-    for counter in _ACTIVE:
-        counter.record(kind, sent, received)
+def _record(kind: str, sent: int, received: int, mesh: DeviceMesh, mesh_dim: int) -> None:
+    for sink in _ACTIVE:
+        sink.record(kind, sent, received, mesh, mesh_dim)
 
 
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -117,7 +127,7 @@ def all_to_all_v(
     """
     me = mesh.get_local_rank(mesh_dim)
     row = _nbytes(_row_numel(chunks_in), chunks_in.dtype)
-    _record(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row)
+    _record(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row, mesh, mesh_dim)
     if mesh.size(mesh_dim) == 1:
         return chunks_in
     return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim)
@@ -148,6 +158,8 @@ def all_gather_v(
         "all_gather",
         _nbytes(sizes[me] * row, local.dtype) * (group - 1),
         _nbytes((sum(sizes) - sizes[me]) * row, local.dtype),
+        mesh,
+        mesh_dim,
     )
     if group == 1:
         return local
@@ -209,7 +221,7 @@ def reduce_scatter_v(
     me = mesh.get_local_rank(mesh_dim)
     sizes = [int(s) for s in sizes]
     if group == 1:
-        _record("reduce_scatter", 0, 0)
+        _record("reduce_scatter", 0, 0, mesh, mesh_dim)
         return _finish_reduce(local, reduce_op, 1)
     dim = dim % local.ndim
     moved = local.movedim(dim, 0).contiguous()
@@ -247,7 +259,7 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim:
     tc.check_reducible(tensor.dtype, reduce_op)  # on one rank too: what is refused must not depend on the mesh
     group = mesh.size(mesh_dim)
     ring = _nbytes(tensor.numel(), tensor.dtype) * 2 * (group - 1) // max(group, 1)
-    _record("all_reduce", ring, ring)
+    _record("all_reduce", ring, ring, mesh, mesh_dim)
     if group == 1:
         return tensor
     op = "sum" if reduce_op == "avg" else reduce_op
@@ -260,7 +272,7 @@ def broadcast(tensor: torch.Tensor, src: int, mesh: DeviceMesh, mesh_dim: int) -
     group = mesh.size(mesh_dim)
     me = mesh.get_local_rank(mesh_dim)
     n = _nbytes(tensor.numel(), tensor.dtype)
-    _record("broadcast", n * (group - 1) if me == src else 0, 0 if me == src else n)
+    _record("broadcast", n * (group - 1) if me == src else 0, 0 if me == src else n, mesh, mesh_dim)
     if group == 1:
         return tensor
     return tc.broadcast(tensor.contiguous(), src, mesh, mesh_dim)
@@ -330,9 +342,18 @@ def send_recv(
     keeps two outstanding exchanges between the same ranks apart on backends
     that match by tag. Eager only: this has no graph representation.
     """
-    received = [torch.empty(tuple(shape), dtype=dtype, device=mesh_device(mesh)) for shape, dtype in recv_like]
+    device = send[0].device if len(send) else mesh_device(mesh)
+    received = [torch.empty(tuple(shape), dtype=dtype, device=device) for shape, dtype in recv_like]
     sent = [t.contiguous() for t in send if t.numel()]
-    _record("send_recv", sum(_nbytes(t.numel(), t.dtype) for t in sent), sum(_nbytes(t.numel(), t.dtype) for t in received))
+    _record(
+        "send_recv",
+        sum(_nbytes(t.numel(), t.dtype) for t in sent),
+        sum(_nbytes(t.numel(), t.dtype) for t in received),
+        mesh,
+        mesh_dim,
+    )
+    if device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
+        return Exchange(received, [], sent)
     # gloo moves any dtype point to point (it sends bytes), other backends
     # need a dtype they know (NCCL has no int16): every payload travels as a
     # same-size view, a receive buffer's view filling the buffer itself.

@@ -15,6 +15,14 @@ op, and rules that build a replicated operand themselves (``matmul``) use
 The mode is explicit, resettable state: :func:`set_promotion_mode` and the
 :func:`promotion_mode` context manager (which always restores the previous
 mode) — tests can change it without leaking into each other.
+
+Repeated promotion costs close to nothing (:func:`promote`): a model applies
+the same weights on every call, so the promoted view of a plain tensor is
+kept and handed out again while the tensor is the same object with the same
+version counter and storage (an optimizer step or any in-place write bumps
+the version, and the next call promotes afresh). Reusing it is exact: the
+view aliases the weight's memory, and every use within a step feeds one
+``Promote`` node, whose backward then all-reduces the summed gradient once.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
+import weakref
+from collections import OrderedDict
 from typing import Iterator
 
 import torch
@@ -29,12 +39,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
 from ._redistribute import redistribute_local
-from ._torch_compat import Function, pytree
+from ._torch_compat import Function, dynamo_frame_hook_active, pytree, storage_key
 from .errors import PlacementError, PromotionError
 from .rule_kit import shard_tensor_cls
 from .spec import ShardTensorSpec
 
-__all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode"]
+__all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode", "promote"]
 
 
 class TensorPromotionMode(enum.Enum):
@@ -111,9 +121,7 @@ class Promote(Function):
 
     @staticmethod
     def forward(plain, mesh):
-        ShardTensor = shard_tensor_cls()
-        spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, plain.shape, plain.dtype)
-        return ShardTensor(plain.detach(), spec, requires_grad=False)
+        return shard_tensor_cls()(plain.detach(), _replicated_spec(mesh, plain), requires_grad=False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -127,26 +135,128 @@ class Promote(Function):
         return redistribute_local(grad._local_tensor, grad._spec, ctx.spec), None
 
 
-def _needs_no_promotion(args, kwargs, ShardTensor) -> bool:
-    """Fast check for the common call: tensors at top level, all ShardTensors on one mesh object.
+_SPECS: dict = {}
 
-    Anything else (containers, plain tensors other than scalars without grad,
-    DTensors of any ndim, several mesh objects) takes the general path of
-    :func:`promote_args`.
+
+def _replicated_spec(mesh, plain) -> ShardTensorSpec:
+    """The Replicate spec of ``plain`` on ``mesh`` (memoised on the mesh object, shape and dtype)."""
+    key = (id(mesh), tuple(plain.shape), plain.dtype)
+    hit = _SPECS.get(key)
+    if hit is not None and hit.mesh is mesh:
+        return hit
+    spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, key[1], plain.dtype)
+    if len(_SPECS) >= _CACHE_SIZE:
+        _SPECS.clear()
+    _SPECS[key] = spec
+    return spec
+
+
+#: id(plain) -> (weak reference to plain, version, (storage identity, offset), mesh, promoted view).
+#: The storage *identity* (not its data pointer) decides, so that a hit or a
+#: miss is the same on every rank: FSDP2 frees and re-allocates an unsharded
+#: parameter's storage in place (same storage object, new address, version
+#: kept), and a per-rank address would let one rank reuse the previous step's
+#: autograd node while another makes a new one. The engine orders nodes by
+#: creation, so the ranks would then issue the gradient all-reduces in
+#: different orders: a crash, or gradients summed with another weight's.
+#: A ``.data`` swap or ``set_`` gives a new storage object, hence a miss.
+_PROMOTED: OrderedDict = OrderedDict()
+#: At most this many promoted views are kept (oldest first out). A kept view's
+#: autograd node references its weight, so the bound is also what a deleted
+#: model's weights can outlive it by; :func:`clear_promotion_cache` drops all.
+_CACHE_SIZE = 1024
+
+
+def clear_promotion_cache() -> None:
+    """Forget every kept promoted view (they are rebuilt on the next call)."""
+    _PROMOTED.clear()
+    _SPECS.clear()
+
+
+def _forget(key, ref) -> None:
+    entry = _PROMOTED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _PROMOTED[key]
+
+
+def promote(plain: torch.Tensor, mesh) -> "torch.Tensor":
+    """``plain`` as a Replicate ShardTensor on ``mesh`` whose gradient is summed over the mesh.
+
+    Without a gradient to track it is a plain wrap (no autograd node). With
+    one, the :class:`Promote` view is kept and returned again while ``plain``
+    is unchanged (same object, version counter and storage; same mesh
+    object) and until a backward pass runs its node: a weight used by every
+    layer call of a forward is promoted once per forward instead of once per
+    use, and its gradient is reduced once. A node from an earlier forward is
+    never reused: the engine orders nodes by creation, and an old node would
+    run out of place in the new graph (after FSDP2's post-backward hook had
+    already reduced and freed the parameter's gradient, say). Only leaves (parameters) are
+    kept: a kept view of an intermediate result would keep its whole
+    autograd graph alive. Traced code (``torch.compile``) and tensors
+    without a version counter (inference mode) are never cached.
     """
-    mesh = None
-    for a in (*args, *kwargs.values()):
+    if not (plain.requires_grad and torch.is_grad_enabled()):
+        return Promote.forward(plain, mesh)
+    if (
+        not plain.is_leaf or type(plain) not in (torch.Tensor, torch.nn.Parameter)
+        or plain.is_inference() or dynamo_frame_hook_active()
+    ):
+        return Promote.apply(plain, mesh)
+    key = id(plain)
+    version, where = plain._version, (storage_key(plain), plain.storage_offset())
+    entry = _PROMOTED.get(key)
+    if entry is not None and entry[0]() is plain and entry[1] == version and entry[2] == where and entry[3] is mesh:
+        return entry[4]
+    out = Promote.apply(plain, mesh)
+    ref = weakref.ref(plain, lambda ref, key=key: _forget(key, ref))
+    # Kept until the backward pass reaches the node: the next forward makes a
+    # new one, so the engine runs it where it belongs in the new graph.
+    out.grad_fn.register_prehook(lambda grad_outputs, key=key, ref=ref: _forget(key, ref))
+    _PROMOTED[key] = (ref, version, where, mesh, out)
+    _PROMOTED.move_to_end(key)
+    while len(_PROMOTED) > _CACHE_SIZE:
+        _PROMOTED.popitem(last=False)
+    return out
+
+
+def _top_level(func, args, kwargs, ShardTensor):
+    """``(args, kwargs)`` promoted for the common call, or None for the general path.
+
+    The common call has its tensors at top level, ShardTensors on one mesh
+    object and, besides them, only plain tensors (no DTensors) under the
+    SILENT mode that are not the destination of an in-place write. Scalars
+    (0-dim plain tensors without grad) are left alone, as everywhere.
+    """
+    mesh, plain = None, False
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if type(a) is ShardTensor:
             if mesh is None:
                 mesh = a._spec.mesh
             elif a._spec.mesh is not mesh:
-                return False
+                return None
         elif isinstance(a, torch.Tensor):
-            if a.ndim > 0 or a.requires_grad or _is_dtensor(a):
-                return False
+            if isinstance(a, DTensor):
+                return None
+            plain = plain or a.ndim > 0 or a.requires_grad
         elif isinstance(a, (list, tuple, dict)):
-            return False
-    return True
+            return None
+    if not plain:
+        return args, kwargs
+    if mesh is None or _mode is not TensorPromotionMode.SILENT or (
+        args and type(args[0]) is not ShardTensor and _writes_into_plain(func, args, ShardTensor)
+    ):
+        return None
+    args = tuple(_promoted(a, mesh, ShardTensor) for a in args)
+    if kwargs:
+        kwargs = {k: _promoted(a, mesh, ShardTensor) for k, a in kwargs.items()}
+    return args, kwargs
+
+
+def _promoted(a, mesh, ShardTensor):
+    """``a`` promoted if it is a plain tensor that needs it (see :func:`_needs_promotion`), else as it is."""
+    if isinstance(a, torch.Tensor) and type(a) is not ShardTensor and (a.ndim > 0 or a.requires_grad):
+        return promote(a, mesh)
+    return a
 
 
 def promote_args(func, args, kwargs):
@@ -156,8 +266,9 @@ def promote_args(func, args, kwargs):
     ``PlacementError`` when ShardTensors on different meshes meet.
     """
     ShardTensor = shard_tensor_cls()
-    if _needs_no_promotion(args, kwargs, ShardTensor):
-        return args, kwargs
+    fast = _top_level(func, args, kwargs, ShardTensor)
+    if fast is not None:
+        return fast
     flat, spec = pytree.tree_flatten((args, kwargs))
     meshes = []
     for x in flat:
@@ -194,7 +305,7 @@ def promote_args(func, args, kwargs):
                     "Replicate on the ShardTensor's mesh",
                     stacklevel=4,
                 )
-            out.append(Promote.apply(x, mesh))
+            out.append(promote(x, mesh))
     return pytree.tree_unflatten(out, spec)
 
 

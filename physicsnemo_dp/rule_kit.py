@@ -70,11 +70,10 @@ def broadcast_shape(*shapes) -> tuple[int, ...]:
 
 
 def wrap(local: torch.Tensor, spec):
-    """A ShardTensor around ``local`` with ``spec`` (dtype taken from ``local``)."""
-    ShardTensor = shard_tensor_cls()
+    """A ShardTensor around ``local`` with ``spec`` (dtype taken from ``local``; not requiring grad)."""
     if spec.tensor_meta.dtype != local.dtype:
         spec = type(spec).from_sizes(spec.mesh, spec.placements, spec.global_shape, local.dtype, spec.dim_sizes)
-    return ShardTensor(local, spec, requires_grad=False)
+    return _SHARD_TENSOR_CLS._of_local(local, spec)
 
 
 def to_layout(x, spec) -> torch.Tensor:
@@ -130,11 +129,23 @@ def unshard_dims(x, dims, *, keep_partial: bool = False):
     (softmax along the shard dim, cat along it, sort, ...), then bring the
     result back with :func:`to_layout` if the output should keep ``x``'s layout.
     """
+    spec = x._spec
+    new_spec = unshard_target(spec, tuple(dims), keep_partial)
+    if new_spec is spec:
+        return x._local_tensor, spec
+    return redistribute_local(x._local_tensor, spec, new_spec), new_spec
+
+
+@functools.lru_cache(maxsize=1024)
+def unshard_target(spec, dims: tuple, keep_partial: bool = False):
+    """The layout :func:`unshard_dims` moves a tensor of layout ``spec`` to (``spec`` itself if none).
+
+    Pure and memoised on the spec (size tables included) and the dims.
+    """
     from torch.distributed.tensor.placement_types import Shard
 
     from ._redistribute import target_layout
 
-    spec = x._spec
     ndim = len(spec.global_shape)
     dims = {normalize_dim(d, ndim) for d in dims}
     placements = list(spec.placements)
@@ -154,10 +165,9 @@ def unshard_dims(x, dims, *, keep_partial: bool = False):
         elif p.is_partial() and not keep_partial:
             placements[m] = Replicate()
     if tuple(placements) == spec.placements:
-        return x._local_tensor, spec
+        return spec
     layout = target_layout(spec, placements)
-    new_spec = spec.with_layout(layout.placements, layout.dim_sizes)
-    return redistribute_local(x._local_tensor, spec, new_spec), new_spec
+    return spec.with_layout(layout.placements, layout.dim_sizes)
 
 
 def grad_like(result, spec):

@@ -26,8 +26,9 @@ from ._torch_compat import (
     TensorBase,
     aot_cache_bypass,
     current_mesh,
-    dynamo_frame_hook_active,
+    eval_frame_callback,
     make_wrapper_subclass,
+    make_wrapper_subclass_raw,
     torch_function_disabled,
     traced,
 )
@@ -85,6 +86,23 @@ class ShardTensor(torch.Tensor):
             set_patches_enabled(True)
         return out
 
+    @classmethod
+    def _of_local(cls, local_tensor: torch.Tensor, spec: ShardTensorSpec) -> "ShardTensor":
+        """``ShardTensor(local_tensor, spec, requires_grad=False)`` with fewer frames (every op result is one)."""
+        if local_tensor.requires_grad:
+            local_tensor = local_tensor.detach()
+        if local_tensor.is_conj() or local_tensor.is_neg():
+            local_tensor = local_tensor.resolve_conj().resolve_neg()
+        out = make_wrapper_subclass_raw(
+            cls, spec.global_shape, strides=spec.tensor_meta.stride, dtype=local_tensor.dtype,
+            device=local_tensor.device, layout=torch.strided, requires_grad=False,
+        )
+        out._local_tensor = local_tensor
+        out._spec = spec
+        if not patches_enabled():
+            set_patches_enabled(True)
+        return out
+
     # ------------------------------------------------------------ protocol
     def __repr__(self) -> str:
         grad = f", grad_fn={self.grad_fn.name()}" if self.grad_fn is not None else ""
@@ -128,7 +146,7 @@ class ShardTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if dynamo_frame_hook_active():
+        if eval_frame_callback() is not None:  # dynamo_frame_hook_active(), inlined: this runs on every op
             return _handle_torch_function(func, types, args, kwargs)
         return handle_torch_function(func, types, args, kwargs)  # the wrapper costs ~1.4 us a call
 
@@ -432,12 +450,12 @@ def _from_local(local_tensor, device_mesh, placements, sharding_shapes, global_s
 # --------------------------------------------------------------------------- #
 # from_local helpers
 # --------------------------------------------------------------------------- #
-def _check_local(local, mesh: DeviceMesh) -> None:
+def _check_local(local, mesh: DeviceMesh, allow_meta: bool = False) -> None:
     if not isinstance(local, torch.Tensor) or isinstance(local, ShardTensor):
         raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local).__name__}")
     if local.ndim > _agreement.MAX_NDIM:
         raise PlacementError(f"tensors with more than {_agreement.MAX_NDIM} dims are not supported")
-    if local.device.type != mesh.device_type:
+    if local.device.type != mesh.device_type and not (allow_meta and local.device.type == "meta"):
         raise PlacementError(
             f"local_tensor is on {local.device} but the device mesh is of type "
             f"{mesh.device_type!r}; move the tensor to the mesh's device first"
@@ -445,8 +463,15 @@ def _check_local(local, mesh: DeviceMesh) -> None:
 
 
 def _check_boxed(local, spec: ShardTensorSpec) -> None:
-    """``local`` is a plain tensor of this rank's box of ``spec``, with its dtype and device type."""
-    _check_local(local, spec.mesh)
+    """``local`` is a plain tensor of this rank's box of ``spec``, with its dtype and device type.
+
+    A meta ``local`` is accepted on any mesh: a known spec needs no data or
+    communication to build the tensor, which is how
+    :func:`physicsnemo_dp.debug.simulate` plays one rank of a large job on a
+    CPU mesh (shapes only). ``from_local`` keeps refusing them: its default
+    infers the sizes by exchanging the local tensors.
+    """
+    _check_local(local, spec.mesh, allow_meta=True)
     if tuple(local.shape) != tuple(spec.local_shape) or local.dtype != spec.tensor_meta.dtype:
         raise PlacementError(
             f"rank {torch.distributed.get_rank()}: local_tensor is {local.dtype} of shape {tuple(local.shape)} "

@@ -161,12 +161,18 @@ class ShardTensorSpec(DTensorSpec):
         return torch.Size(self.local_shape_at(self.coordinate))
 
     def local_offsets(self, coord: Sequence[int] | None = None) -> tuple[int, ...]:
-        """Global start index of a rank's box along every tensor dim."""
-        coord = self.coordinate if coord is None else coord
+        """Global start index of a rank's box along every tensor dim (this rank's: computed once)."""
+        if coord is None:
+            return self._own_offsets
         return tuple(
             _layout.local_offset_of(self.mesh_shape, self.placements, self._dim_sizes, coord, d)
             for d in range(len(self.global_shape))
         )
+
+    @cached_property
+    def _own_offsets(self) -> tuple[int, ...]:
+        """This rank's offsets: a sum over the size table (O(P)), so kept (a plain operand's slicing asks per op)."""
+        return self.local_offsets(self.coordinate)
 
     def offsets(self, mesh_dim: int | None = None):
         """Offset of this rank's shard along the tensor dim each mesh dim shards.

@@ -200,8 +200,25 @@ def attend(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: 
             merge_into(out[..., rows, :], lse[..., rows], out_t, lse_t)
 
 
+class _Target:
+    """Where a block's dk/dv contributions go: given tensors, tensors a callable returns when first needed, or zeros."""
+
+    def __init__(self, into, k, v, like: torch.Tensor):
+        self._into, self._k, self._v, self._like = into, k, v, like
+        self._pair = None
+
+    def get(self):
+        if self._pair is None:
+            into = self._into() if callable(self._into) else self._into
+            if into is None:
+                into = tuple(torch.zeros(t.shape, dtype=self._like.dtype, device=self._like.device)
+                             for t in (self._k, self._v))  # fmt: skip
+            self._pair = tuple(into)
+        return self._pair
+
+
 def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: float, dout, lse, delta, dq,
-                    out=None):  # fmt: skip
+                    out=None, into=None):  # fmt: skip
     """Gradient contributions of block ``(k, v)``: adds into ``dq``, returns ``(dk, dv)`` of the block.
 
     ``lse`` is the final log-sum-exp of the queries and ``delta`` is
@@ -209,15 +226,21 @@ def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile]
     queries' final output, is given when it is exact on this rank: then CPU
     tiles may use the fused kernel. ``dk``/``dv`` come in the compute dtype
     with ``k``'s/``v``'s shape (query groups and broadcast batch dims summed).
+
+    ``into`` receives the contributions instead of fresh zeros: a pair of
+    such tensors, or a callable returning one, called when the first
+    contribution is ready. The ring passes a callable that waits for the
+    block's accumulator arriving from the previous rank and adds into it in
+    place: the transfer overlaps with the first tile, and no second
+    block-sized accumulator is needed.
     """
-    dk = torch.zeros(k.shape, dtype=dq.dtype, device=dq.device)
-    dv = torch.zeros(v.shape, dtype=dq.dtype, device=dq.device)
+    target = _Target(into, k, v, dq)
     fused = out is not None and _fused(q, v, mask)
+    dk = dv = None
     for tile in tiles:
         for part, causal in _kernel_parts(tile) if fused else [(tile, None)]:
             qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, part)
             rows = slice(part.q_start, part.q_start + part.q_len)
-            keys = slice(part.k_start, part.k_start + part.k_len)
             if fused:
                 batch = torch.broadcast_shapes(qt.shape[:-2], kt.shape[:-2])
                 grads = fused_cpu_attention_backward(
@@ -233,7 +256,11 @@ def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile]
                 ds = torch.matmul(do, vt.to(p.dtype).transpose(-1, -2)).sub_(delta[..., rows].unsqueeze(-1)).mul_(p)
                 gq = torch.matmul(ds, kt.to(ds.dtype)) * scale
                 gk = torch.matmul(ds.transpose(-1, -2), qt) * scale
-            dq[..., rows, :] += gq.sum_to_size(dq[..., rows, :].shape)
-            dk[..., keys, :] += gk.sum_to_size(dk[..., keys, :].shape)
-            dv[..., keys, :] += gv.sum_to_size(dv[..., keys, :].shape)
-    return dk, dv
+            if dk is None:
+                dk, dv = target.get()
+            # narrow + add_: ``t[..., rows, :] += x`` would also copy the slice onto itself
+            for acc, grad, start, length in ((dq, gq, part.q_start, part.q_len), (dk, gk, part.k_start, part.k_len),
+                                             (dv, gv, part.k_start, part.k_len)):  # fmt: skip
+                acc = acc.narrow(-2, start, length)
+                acc.add_(grad.sum_to_size(acc.shape))
+    return target.get()

@@ -26,6 +26,27 @@ types); every block makes ``P - 1`` hops each way, the minimum. Shard sizes
 may differ and be zero: every rank knows every block's shape from the
 layout, and empty blocks are neither sent nor computed.
 
+Two things keep the work and memory per rank close to the single-device
+run's (measured figures in ``benchmarks/README.md``):
+
+* **One message per hop.** A block's keys and values travel packed in one
+  flat buffer (so do its dk/dv accumulators): each point-to-point message has
+  a fixed cost in the backend (on gloo, CPU time in its network thread), and
+  packing halves the number of messages. The packed copy of the own block
+  replaces the ``contiguous()`` copy every send needed anyway.
+* **Head chunks in backward.** Besides its inputs and results, a rank's
+  backward holds four blocks in flight: the block its tiles use, the next
+  one arriving, the dk/dv accumulator leaving and the one arriving (into
+  which it adds in place, see :func:`.attend_backward`). Heads are
+  independent, so large blocks make the backward trip in up to
+  ``_MAX_CHUNKS`` groups of heads, one after the other: the blocks in flight
+  shrink by that factor and the bytes sent stay the same, but every chunk is
+  a message of its own, and a message has a fixed cost (on gloo, CPU time in
+  its network thread). So chunks are cut only while each still moves at
+  least ``_MIN_CHUNK_BYTES``, and the forward, which holds only two blocks
+  in flight, is not cut. The decision uses the largest block of any rank, so
+  all ranks agree.
+
 The loop of point-to-point transfers has no graph representation, so the
 ring's entry (:func:`.function.ring_attention`) is excluded from
 ``torch.compile``: inside a compiled model it runs eagerly at a graph break,
@@ -35,14 +56,28 @@ regional-compile pattern).
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from .. import _torch_compat, collectives
+from ..split import chunk_sizes, offsets_from_sizes
 from ._blocks import attend, attend_backward, plan_tiles
 from ._common import Grouped, Options, group_rank, token_spans
 from ._placement import AttentionLayout
 
 _KV, _GRADS = 0, 1  # tags of the two exchanges that can be in flight at once
+
+#: Most head chunks a block is cut into in backward (see the module doc): with two,
+#: the blocks in flight are about half of a rank's own attention inputs and results.
+_MAX_CHUNKS = 2
+#: Least bytes of keys + values per chunk and hop. A message has a fixed cost (with
+#: gloo on a loaded 2-core machine, 0.4-1.7 ms of CPU in its threads): measured on
+#: the benchmark's transformer block at 1,024 tokens over 4 ranks (128 KiB blocks),
+#: cutting at 64 KiB brought the per-rank peak from 1.47x to 1.12x the ideal at
+#: the CPU work of the unpacked, uncut ring; 32 KiB chunks (4) cost 40 % more work.
+_MIN_CHUNK_BYTES = 1 << 16
 
 
 class _Ring:
@@ -67,30 +102,85 @@ class _Ring:
         """Owner of the block this rank holds at ``step``."""
         return (self.me - step) % self.size
 
-    def post(self, tensors, seq_dims, step: int, tag: int):
-        """Send ``tensors`` on to the next rank; receive those of the block held at ``step + 1``.
-
-        ``seq_dims`` gives each tensor's key dim, whose extent is the block owner's shard size.
-        """
-        owner = self.source(step + 1)
-        like = []
-        for t, dim in zip(tensors, seq_dims):
-            shape = list(t.shape)
-            shape[dim] = self.k_len[owner]
-            like.append((tuple(shape), t.dtype))
+    def post(self, tensors, like, tag: int):
+        """Send ``tensors`` on to the next rank; receive tensors shaped ``like`` from the previous one."""
         return collectives.send_recv(tensors, self.next, like, self.prev, self.mesh, self.dim, tag=tag)
 
+    def chunks(self, g: Grouped) -> list[tuple[int, int]]:
+        """``(start, length)`` of the head groups (dim -4 of the grouped tensors) whose backward runs one after the other."""
+        heads = g.q.shape[-4]
+        if heads == 1 or g.k.shape[-4] != heads or g.v.shape[-4] != heads:
+            return [(0, heads)]  # keys shared by all heads would travel once per chunk
+        if self.mask_travels and g.mask.shape[-4] != heads:
+            return [(0, heads)]  # so would a mask shared by all heads
+        block = max(self.k_len) * (_token_bytes(g.k) + _token_bytes(g.v))
+        return _head_groups(heads, min(_MAX_CHUNKS, block // _MIN_CHUNK_BYTES))
 
-def _block(g: Grouped, ring: _Ring):
-    """What travels: keys, values and, when split like the keys, the mask's columns."""
-    return [g.k, g.v, g.mask] if ring.mask_travels else [g.k, g.v]
+
+def _token_bytes(t: torch.Tensor) -> int:
+    """Bytes per token of a grouped key/value tensor (the same on every rank: only the token dim differs)."""
+    return math.prod(t.shape[:-2]) * t.shape[-1] * t.element_size()
 
 
-_BLOCK_DIMS = (-2, -2, -1)  # key dim of keys, values, mask
+def _head_slice(t, start: int, length: int, dim: int = -4):
+    """Heads ``start:start+length`` of a grouped tensor (dim -4; -3 for per-row values), unless it broadcasts."""
+    return t if t is None or t.shape[dim] == 1 else t.narrow(dim, start, length)
 
 
-def _mask_of(block, g: Grouped, ring: _Ring):
-    return block[2] if ring.mask_travels else g.mask
+def _head_groups(heads: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of at most ``parts`` groups of ``heads`` heads, cut with the split rule."""
+    sizes = chunk_sizes(heads, max(1, min(heads, parts)))
+    return [(o, n) for o, n in zip(offsets_from_sizes(sizes), sizes) if n]
+
+
+class _Parcel:
+    """What travels for one head chunk: keys and values packed in one flat buffer, plus the mask's columns.
+
+    Every rank knows every block's shape (the token dim is the owner's shard
+    size), so receive buffers are allocated without asking.
+    """
+
+    def __init__(self, g: Grouped, ring: _Ring):
+        self.g, self.ring = g, ring
+        self.mask_travels = ring.mask_travels
+
+    def _shapes(self, owner: int):
+        n = self.ring.k_len[owner]
+        return [(*t.shape[:-2], n, t.shape[-1]) for t in (self.g.k, self.g.v)]
+
+    def own(self) -> list:
+        """The own block, packed (the one copy a send needs anyway), for the first hop."""
+        flat = torch.cat([self.g.k.reshape(-1), self.g.v.reshape(-1)])
+        return [flat, self.g.mask] if self.mask_travels else [flat]
+
+    def like(self, owner: int) -> list:
+        """``(shape, dtype)`` of what arrives when the block of ``owner`` does."""
+        shapes = self._shapes(owner)
+        like = [((sum(math.prod(s) for s in shapes),), self.g.k.dtype)]
+        if self.mask_travels:
+            mask = self.g.mask
+            like.append(((*mask.shape[:-1], self.ring.k_len[owner]), mask.dtype))
+        return like
+
+    def unpack(self, parcel: list | None, owner: int):
+        """``(k, v, mask)`` of block ``owner``; ``parcel`` None means the own block."""
+        if parcel is None:
+            return self.g.k, self.g.v, self.g.mask
+        k, v = _unflatten(parcel[0], self._shapes(owner))
+        return k, v, parcel[1] if self.mask_travels else self.g.mask
+
+    def grads_like(self, owner: int, dtype) -> list:
+        """``(shape, dtype)`` of block ``owner``'s packed dk/dv accumulator."""
+        return [((sum(math.prod(s) for s in self._shapes(owner)),), dtype)]
+
+    def grads(self, flat: torch.Tensor, owner: int):
+        """``(dk, dv)`` views of a packed accumulator of block ``owner``."""
+        return _unflatten(flat, self._shapes(owner))
+
+
+def _unflatten(flat: torch.Tensor, shapes) -> list:
+    sizes = [math.prod(s) for s in shapes]
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 def _eager_only(g: Grouped) -> None:
@@ -104,18 +194,25 @@ def _eager_only(g: Grouped) -> None:
         raise _torch_compat.graph_break("ring attention sends key/value blocks point to point; it runs eagerly")
 
 
+def _chunk(g: Grouped, start: int, length: int) -> Grouped:
+    return dataclasses.replace(g, q=_head_slice(g.q, start, length), k=_head_slice(g.k, start, length),
+                               v=_head_slice(g.v, start, length), mask=_head_slice(g.mask, start, length))  # fmt: skip
+
+
 def ring_forward(g: Grouped, layout: AttentionLayout, options: Options):
     _eager_only(g)
     ring = _Ring(layout, options)
     out, lse = g.accumulators()
-    block = _block(g, ring)
+    parcel, held = _Parcel(g, ring), None
     for step in range(ring.size):
         src = ring.source(step)
-        pending = ring.post(block, _BLOCK_DIMS, step, _KV) if step < ring.size - 1 else None
-        attend(g.q, block[0], block[1], _mask_of(block, g, ring), ring.rows0, ring.cols0[src],
-               ring.tiles[src], options.scale, out, lse)  # fmt: skip
+        pending = None
+        if step < ring.size - 1:
+            pending = ring.post(parcel.own() if held is None else held, parcel.like(ring.source(step + 1)), _KV)
+        k, v, mask = parcel.unpack(held, src)
+        attend(g.q, k, v, mask, ring.rows0, ring.cols0[src], ring.tiles[src], options.scale, out, lse)
         if pending is not None:
-            block = pending.wait()
+            held = pending.wait()
     return out, lse
 
 
@@ -124,25 +221,62 @@ def ring_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, o
     ring = _Ring(layout, options)
     delta = (dout * out).sum(-1)
     dq = torch.zeros_like(g.q)
-    block = _block(g, ring)
-    own = grads_in = None
+    dk = torch.zeros(g.k.shape, dtype=dq.dtype, device=dq.device)
+    dv = torch.zeros(g.v.shape, dtype=dq.dtype, device=dq.device)
+    for start, length in ring.chunks(g):
+        rows = [_head_slice(t, start, length, d) for t, d in ((dout, -4), (out, -4), (lse, -3), (delta, -3), (dq, -4))]
+        _backward_chunk(_chunk(g, start, length), ring, options, *rows, _head_slice(dk, start, length),
+                        _head_slice(dv, start, length))  # fmt: skip
+    return dq, dk, dv
+
+
+def _backward_chunk(g: Grouped, ring: _Ring, options: Options, dout, out, lse, delta, dq, dk, dv) -> None:
+    """One head chunk's ring backward; adds into ``dq`` and into the own block's ``dk``/``dv``."""
+    parcel, held, grads_in = _Parcel(g, ring), None, None
     for step in range(ring.size):
         src = ring.source(step)
-        pending = ring.post(block, _BLOCK_DIMS, step, _KV) if step < ring.size - 1 else None
-        dk, dv = attend_backward(g.q, block[0], block[1], _mask_of(block, g, ring), ring.rows0, ring.cols0[src],
-                                 ring.tiles[src], options.scale, dout, lse, delta, dq, out)  # fmt: skip
+        pending = None
+        if step < ring.size - 1:
+            pending = ring.post(parcel.own() if held is None else held, parcel.like(ring.source(step + 1)), _KV)
+        k, v, mask = parcel.unpack(held, src)
         if step == 0:
-            own = dk, dv  # the own block's contribution stays home
-        else:
-            if grads_in is not None:
-                for mine, arrived in zip((dk, dv), grads_in.wait()):
-                    mine.add_(arrived)
+            into = (dk, dv)  # the own block's contribution stays home, in the result
+        elif grads_in is None:  # the accumulator of block ``src`` is born here
+            into = _Accumulator(parcel, src, dq, None)
+        else:  # it arrives from the previous rank while the first tiles run
+            into = _Accumulator(parcel, src, dq, grads_in)
+        attend_backward(g.q, k, v, mask, ring.rows0, ring.cols0[src], ring.tiles[src], options.scale, dout, lse,
+                        delta, dq, out, into=into)  # fmt: skip
+        if step:
             # to the rank holding block ``src`` next; after the last step that is its owner
-            grads_in = ring.post([dk, dv], _BLOCK_DIMS, step, _GRADS)
+            grads_in = ring.post([into.flat()], parcel.grads_like(ring.source(step + 1), dq.dtype), _GRADS)
         if pending is not None:
-            block = pending.wait()
-    dk, dv = own
+            held = pending.wait()
     if grads_in is not None:
-        for mine, arrived in zip((dk, dv), grads_in.wait()):
-            mine.add_(arrived)
-    return dq, dk, dv
+        arrived = parcel.grads(grads_in.wait()[0], ring.me)
+        dk.add_(arrived[0])
+        dv.add_(arrived[1])
+
+
+class _Accumulator:
+    """The packed dk/dv accumulator of one block on this rank: new zeros, or the one arriving (added into in place).
+
+    Called by :func:`.attend_backward` when the first tile's gradients are
+    ready, so the arriving accumulator's transfer overlaps with that tile.
+    """
+
+    def __init__(self, parcel: _Parcel, owner: int, like: torch.Tensor, arriving):
+        self._parcel, self._owner, self._like, self._arriving = parcel, owner, like, arriving
+        self._flat = None
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            if self._arriving is None:
+                shape, dtype = self._parcel.grads_like(self._owner, self._like.dtype)[0]
+                self._flat = torch.zeros(shape, dtype=dtype, device=self._like.device)
+            else:
+                self._flat = self._arriving.wait()[0]
+        return self._flat
+
+    def __call__(self):
+        return self._parcel.grads(self.flat(), self._owner)

@@ -7,11 +7,38 @@
   construction and redistribution consult it; this package only exposes it.
 * :func:`count_collectives` — what every collective of physicsnemo_dp moved on
   this rank inside a block (calls and bytes per kind), as a :class:`CommCounter`.
+* :func:`explain` — one model step, op by op on this rank: layouts, local
+  shapes, collectives and bytes, peak live bytes (:class:`Explanation`).
+  ``count_collectives`` is its per-kind total: both read the same stream.
+* :func:`simulate` — the same table for one rank of a job of any size
+  (up to thousands of ranks) on one CPU: the real rules on meta tensors over
+  torch's fake process group (:class:`Simulation`). Command line:
+  ``python -m physicsnemo_dp.debug simulate --help``.
+* :class:`LiveBytes` — peak live tensor bytes, on CPU and on meta tensors.
 * :mod:`physicsnemo_dp.debug.viz` — pictures of layouts, halos and partitions
   (matplotlib).
 """
 
 from .._checking import checks, checks_enabled
 from ..collectives import CommCounter, count_collectives
+from ._explain import CollectiveCall, Explanation, OpRecord, explain
+from ._memory import LiveBytes, peak_bytes
+from ._simulate import DataDependentError, Simulation, sharded_input, simulate, simulating
 
-__all__ = ["checks", "checks_enabled", "count_collectives", "CommCounter"]
+__all__ = [
+    "checks",
+    "checks_enabled",
+    "count_collectives",
+    "CommCounter",
+    "explain",
+    "Explanation",
+    "OpRecord",
+    "CollectiveCall",
+    "simulate",
+    "Simulation",
+    "sharded_input",
+    "simulating",
+    "DataDependentError",
+    "LiveBytes",
+    "peak_bytes",
+]

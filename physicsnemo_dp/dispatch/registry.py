@@ -19,7 +19,22 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-__all__ = ["HandlerRegistry", "function_handlers", "named_function_handlers", "dispatch_handlers"]
+__all__ = ["HandlerRegistry", "function_handlers", "named_function_handlers", "dispatch_handlers", "generation",
+           "dispatch_handlers_registered"]
+
+#: Bumped on every change of any registry, so the hooks can memoise lookups
+#: per op and notice when a registration invalidates them.
+_GENERATION = [0]
+
+
+def dispatch_handlers_registered() -> bool:
+    """Whether any dispatch-level handler (by op or by custom-op name) is registered."""
+    return bool(dispatch_handlers._handlers or named_function_handlers._handlers)
+
+
+def generation() -> int:
+    """A number that changes whenever a handler is registered or removed anywhere."""
+    return _GENERATION[0]
 
 
 class HandlerRegistry:
@@ -33,9 +48,11 @@ class HandlerRegistry:
         if not callable(handler):
             raise TypeError(f"handler for {key!r} must be callable, got {handler!r}")
         self._handlers[key] = handler
+        _GENERATION[0] += 1
 
     def unregister(self, key: Any) -> None:
         self._handlers.pop(key, None)
+        _GENERATION[0] += 1
 
     def get(self, key: Any) -> Callable | None:
         return self._handlers.get(key)
@@ -61,7 +78,7 @@ class HandlerRegistry:
             if previous is missing:
                 self.unregister(key)
             else:
-                self._handlers[key] = previous
+                self.register(key, previous)
 
 
 function_handlers = HandlerRegistry("function")

@@ -11,6 +11,9 @@ Each family module defines
 * ``RULES``: ``{OpOverload or OpOverloadPacket: rule}`` used by ``__torch_dispatch__``;
   a rule is ``rule(func, args, kwargs) -> result`` and receives ShardTensors
   (plus scalars, and plain tensors that reached the dispatcher);
+* ``PROPAGATORS`` (optional): ``{op: fn(op, args, kwargs) -> OpPlan}``, the
+  family's pure propagation from specs, installed into
+  :mod:`physicsnemo_dp.propagation` for ``propagation.plan``;
 * ``FUNCTIONS`` (optional): ``{python callable: handler}`` used by
   ``__torch_function__`` for composite functions whose ATen decomposition would
   lose the sharding (e.g. ``F.linear`` on a 3-D input) or whose default backward
@@ -23,6 +26,9 @@ User registrations (``ShardTensor.register_*``) always win over these.
 from __future__ import annotations
 
 import torch
+
+from .. import propagation
+from . import registry
 
 __all__ = ["install", "lookup", "lookup_function"]
 
@@ -39,16 +45,19 @@ def install(families, pointwise_rule) -> None:
     names. Installing again replaces the contents (idempotent for the same
     families), so the table never mixes two catalogs.
     """
-    rules, functions = {}, {}
+    rules, functions, propagators = {}, {}, {}
     for module in families:
         rules.update(module.RULES)
         functions.update(getattr(module, "FUNCTIONS", {}))
+        propagators.update(getattr(module, "PROPAGATORS", {}))
+    propagation.register(propagators)
     _RULES.clear()
     _RULES.update(rules)
     _FUNCTIONS.clear()
     _FUNCTIONS.update(functions)
     _POINTWISE[:] = [pointwise_rule]
     _CACHE.clear()
+    registry._GENERATION[0] += 1  # function routes memoised by the torch-function hook are stale
 
 
 def lookup(func):

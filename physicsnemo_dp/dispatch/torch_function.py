@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .._torch_compat import OpOverload, torch_function_disabled
 from ..promotion import promote_args
-from . import table
+from . import registry, table
 from .autograd_entry import AUTOGRAD_ENTRIES
 from .registry import function_handlers, named_function_handlers
 
@@ -49,12 +49,42 @@ def _lookup(func):
     return handler
 
 
+class _Entry:
+    """Route of an autograd entry point (``backward``, ``autograd.grad``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+#: func -> its route (an _Entry, a handler, or None), valid for one registry generation
+#: (registrations and catalog installs bump it): three dict lookups become one per call.
+_ROUTES: dict = {}
+_ROUTES_GENERATION = [-1]
+
+
+def _route(func):
+    if _ROUTES_GENERATION[0] != registry._GENERATION[0]:
+        _ROUTES.clear()
+        _ROUTES_GENERATION[0] = registry._GENERATION[0]
+    try:
+        return _ROUTES[func]
+    except KeyError:
+        entry = AUTOGRAD_ENTRIES.get(func)
+        route = _ROUTES[func] = _Entry(entry) if entry is not None else _lookup(func)
+        return route
+    except TypeError:  # an unhashable callable: look it up every time
+        entry = AUTOGRAD_ENTRIES.get(func) if func.__hash__ is not None else None
+        return _Entry(entry) if entry is not None else _lookup(func)
+
+
 def handle_torch_function(func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    entry = AUTOGRAD_ENTRIES.get(func)
-    if entry is not None:
-        return entry(*args, **kwargs)
-    handler = _lookup(func) if patches_enabled() else None
+    route = _route(func)
+    if type(route) is _Entry:
+        return route.fn(*args, **kwargs)
+    handler = route if _PATCHES["enabled"] else None
     args, kwargs = promote_args(func, args, kwargs)
     if handler is not None:
         return handler(func, types, args, kwargs)

@@ -39,17 +39,30 @@ Communication, per op:
   mirror of the forward's output).
 
 ``index_select`` and advanced indexing live in ``indexing.py``.
+
+Planning is apart from execution: :func:`propagate`, a pure function of the
+op, the operands' specs (size tables included) and the other arguments,
+memoised, gives the output specs, the collectives of the list above with their
+bytes, and the local slice bounds; each rule looks it up and runs it on the
+local tensors, and ``propagation.plan`` answers with it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
 
 import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from .. import _intervals, _layout, collectives
+from .._redistribute import redistribute_local
 from .._reshape import nested_chunks
-from ..rule_kit import normalize_dim, shard_tensor_cls, to_layout, unshard_dims, wrap
-from .views import derived_spec, meta_like, ndim_of, with_new_dim, without_dim
+from ..propagation import OpPlan, cached, collective_step, freeze, moves, redistribution_steps, replicated
+from ..rule_kit import normalize_dim, shard_tensor_cls, unshard_target, wrap
+from ..spec import ShardTensorSpec
+from .views import derived_spec, with_new_dim, without_dim
 
 aten = torch.ops.aten
 
@@ -77,228 +90,321 @@ def _replace(seq, i, value):
     return tuple(seq[:i]) + (value,) + tuple(seq[i + 1 :])
 
 
+def _meta(value):
+    """A meta tensor of a spec's global shape (other arguments as they are, lists of specs element-wise)."""
+    if isinstance(value, ShardTensorSpec):
+        return torch.empty(value.global_shape, dtype=value.tensor_meta.dtype, device="meta")
+    if isinstance(value, tuple):
+        return [_meta(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class JoinPlan:
+    """A join or split decided from metadata: the layouts, the collectives, and what each rank does locally.
+
+    Attributes:
+        plan: output specs and collectives (:class:`~physicsnemo_dp.propagation.OpPlan`; its
+            ``operand_specs`` are the layouts the operands are brought to, None: as they are).
+        local: op-specific local arguments (slice bounds, the owner of a selected index, the
+            operands a ``cat`` keeps, ...), read by the op's executor below.
+    """
+
+    plan: OpPlan
+    local: tuple = ()
+
+
+@lru_cache(maxsize=4096)
+def propagate(func, args: tuple, kwargs: tuple) -> JoinPlan:
+    """The pure half of a join: memoised on the op and its frozen arguments (tensors as their specs).
+
+    Bad arguments raise torch's own error, from the op run on meta tensors of
+    the global shapes, on every rank alike; errors are not memoised.
+    """
+    bound = _arguments(func, args, dict(kwargs))
+    return _PLANNERS[func](func, *bound)
+
+
+def _plan_of(func, args, kwargs) -> JoinPlan:
+    return cached(propagate, func, freeze(args), tuple(sorted((k, freeze(v)) for k, v in kwargs.items())))
+
+
+def _propagate_entry(func, args, kwargs) -> OpPlan:
+    """``propagation.plan``'s entry for the joins."""
+    return _plan_of(func, args, kwargs).plan
+
+
 # --------------------------------------------------------------------------- #
 # slice / split / narrow_copy
 # --------------------------------------------------------------------------- #
-def sliced(x, dim: int, start, end, step: int = 1):
-    """``x[..., start:end:step, ...]`` along ``dim`` without communication (a local view)."""
-    spec, local = x._spec, x._local_tensor
-    size = spec.global_shape[dim]
-    start, end, step = _intervals.normalize_slice(size, start, end, step)
+def _slice_layout(spec, dim: int, start, end, step: int = 1):
+    """``(output spec, local slice args)`` of ``x[..., start:end:step, ...]`` along ``dim``: no communication."""
+    start, end, step = _intervals.normalize_slice(spec.global_shape[dim], start, end, step)
     table = spec.dim_sizes[dim]
     if table is None:
-        out_local = aten.slice.Tensor(local, dim, start, end, step)
         tables = spec.dim_sizes
-        extent = out_local.shape[dim]
+        extent = len(range(start, end, step))
+        local = (dim, start, end, step)
     else:
         per_shard = _intervals.slice_table(table, start, end, step)
         first, count = per_shard[_flat_index(spec, dim)]
-        out_local = aten.slice.Tensor(local, dim, first, first + (count - 1) * step + 1 if count else first, step)
+        local = (dim, first, first + (count - 1) * step + 1 if count else first, step)
         new_table = tuple(c for _, c in per_shard)
         tables = _replace(spec.dim_sizes, dim, new_table)
         extent = sum(new_table)
     shape = _replace(spec.global_shape, dim, extent)
-    return wrap(out_local, derived_spec(spec, spec.placements, shape, tables))
+    return derived_spec(spec, spec.placements, shape, tables), local
+
+
+def _plan_slice(func, spec, dim, start, end, step):
+    func(_meta(spec), dim, start, end, step)
+    out, local = _slice_layout(spec, normalize_dim(dim, len(spec.global_shape)), start, end, step)
+    return JoinPlan(OpPlan((out,)), local)
+
+
+def _plan_narrow_copy(func, spec, dim, start, length):
+    func(_meta(spec), dim, start, length)
+    d = normalize_dim(dim, len(spec.global_shape))
+    start = start + spec.global_shape[d] if start < 0 else start
+    out, local = _slice_layout(spec, d, start, start + length)
+    return JoinPlan(OpPlan((out,)), local)
+
+
+def _plan_split(func, spec, size_arg, dim):
+    pieces = func(_meta(spec), size_arg, dim)
+    d = normalize_dim(dim, len(spec.global_shape))
+    outs, locals_, start = [], [], 0
+    for piece in pieces:
+        out, local = _slice_layout(spec, d, start, start + piece.shape[d])
+        outs.append(out)
+        locals_.append(local)
+        start += piece.shape[d]
+    return JoinPlan(OpPlan(tuple(outs)), tuple(locals_))
 
 
 def _slice(func, args, kwargs):
-    x, dim, start, end, step = _arguments(func, args, kwargs)
-    func(meta_like(x), dim, start, end, step)
-    return sliced(x, normalize_dim(dim, ndim_of(x)), start, end, step)
+    x = args[0] if args else kwargs["self"]
+    jp = _plan_of(func, args, kwargs)
+    return wrap(aten.slice.Tensor(x._local_tensor, *jp.local), jp.plan.output_specs[0])
 
 
 def _narrow_copy(func, args, kwargs):
-    x, dim, start, length = _arguments(func, args, kwargs)
-    func(meta_like(x), dim, start, length)
-    d = normalize_dim(dim, ndim_of(x))
-    start = start + x._spec.global_shape[d] if start < 0 else start
-    out = sliced(x, d, start, start + length)
-    return wrap(out._local_tensor.clone(), out._spec)
+    x = args[0] if args else kwargs["self"]
+    jp = _plan_of(func, args, kwargs)
+    return wrap(aten.slice.Tensor(x._local_tensor, *jp.local).clone(), jp.plan.output_specs[0])
 
 
 def _split(func, args, kwargs):
-    x, size_arg, dim = _arguments(func, args, kwargs)
-    pieces = func(meta_like(x), size_arg, dim)
-    d = normalize_dim(dim, ndim_of(x))
-    out, start = [], 0
-    for piece in pieces:
-        out.append(sliced(x, d, start, start + piece.shape[d]))
-        start += piece.shape[d]
-    return out
+    x = args[0] if args else kwargs["self"]
+    jp = _plan_of(func, args, kwargs)
+    return [wrap(aten.slice.Tensor(x._local_tensor, *local), out) for local, out in zip(jp.local, jp.plan.output_specs)]
 
 
 # --------------------------------------------------------------------------- #
 # select / unbind
 # --------------------------------------------------------------------------- #
-def _select(func, args, kwargs):
-    x, dim, index = _arguments(func, args, kwargs)
-    func(meta_like(x), dim, index)
-    spec, local = x._spec, x._local_tensor
-    d = normalize_dim(dim, ndim_of(x))
+def _plan_select(func, spec, dim, index):
+    func(_meta(spec), dim, index)
+    d = normalize_dim(dim, len(spec.global_shape))
     index = index + spec.global_shape[d] if index < 0 else index
     table = spec.dim_sizes[d]
     mesh_dims = _layout.sharding_mesh_dims(spec.placements, d)
     replicated = tuple(Replicate() if m in mesh_dims else p for m, p in enumerate(spec.placements))
     placements, tables = without_dim(replicated, spec.dim_sizes, d)
     shape = spec.global_shape[:d] + spec.global_shape[d + 1 :]
+    out = derived_spec(spec, placements, shape, tables)
     if table is None:
-        return wrap(local.select(d, index), derived_spec(spec, placements, shape, tables))
+        return JoinPlan(OpPlan((out,)), (d, index, ()))
     k = _intervals.owner(table, index)
-    if k == _flat_index(spec, d):
-        out = local.select(d, index - sum(table[:k]))
-    else:
-        out = local.new_empty(local.shape[:d] + local.shape[d + 1 :])
+    local_index = index - sum(table[:k]) if k == _flat_index(spec, d) else None
     # Unravel the owner's flat position into its coordinates on those mesh dims;
     # broadcast along the innermost first so the owner's row reaches every group.
     coords = {}
     for m in reversed(mesh_dims):
-        coords[m], k = k % spec.mesh.size(m), k // spec.mesh.size(m)
-    for m in reversed(mesh_dims):
-        if spec.mesh.size(m) > 1:
-            out = collectives.broadcast(out, coords[m], spec.mesh, m)
-    return wrap(out, derived_spec(spec, placements, shape, tables))
+        coords[m], k = k % spec.mesh_shape[m], k // spec.mesh_shape[m]
+    sources = tuple((m, coords[m]) for m in reversed(mesh_dims) if spec.mesh_shape[m] > 1)
+    numel, itemsize = prod(out.local_shape), spec.tensor_meta.dtype.itemsize
+    steps = tuple(
+        collective_step("broadcast", m, numel, itemsize, spec.mesh_shape[m], sender=spec.coordinate[m] == src)
+        for m, src in sources
+    )
+    return JoinPlan(OpPlan((out,), steps), (d, local_index, sources))
+
+
+def _select(func, args, kwargs):
+    x = args[0] if args else kwargs["self"]
+    jp = _plan_of(func, args, kwargs)
+    d, index, sources = jp.local
+    local = x._local_tensor
+    out = local.select(d, index) if index is not None else local.new_empty(local.shape[:d] + local.shape[d + 1 :])
+    for m, src in sources:
+        out = collectives.broadcast(out, src, x._spec.mesh, m)
+    return wrap(out, jp.plan.output_specs[0])
+
+
+def _plan_unbind(func, spec, dim):
+    pieces = func(_meta(spec), dim)
+    d = normalize_dim(dim, len(spec.global_shape))
+    moved = unshard_target(spec, (d,), keep_partial=True) if spec.dim_sizes[d] is not None else spec
+    placements, tables = without_dim(moved.placements, moved.dim_sizes, d)
+    shape = spec.global_shape[:d] + spec.global_shape[d + 1 :]
+    out = derived_spec(moved, placements, shape, tables)
+    moved = None if moved is spec else moved
+    steps = () if moved is None else redistribution_steps(spec, moved, 0)
+    return JoinPlan(OpPlan((out,) * len(pieces), steps, (moved,)), (d,))
 
 
 def _unbind(func, args, kwargs):
-    x, dim = _arguments(func, args, kwargs)
-    func(meta_like(x), dim)
-    d = normalize_dim(dim, ndim_of(x))
-    local, spec = x._local_tensor, x._spec
-    if spec.dim_sizes[d] is not None:
-        local, spec = unshard_dims(x, [d], keep_partial=True)
-    placements, tables = without_dim(spec.placements, spec.dim_sizes, d)
-    shape = spec.global_shape[:d] + spec.global_shape[d + 1 :]
-    out_spec = derived_spec(spec, placements, shape, tables)
-    return [wrap(t, out_spec) for t in local.unbind(d)]
+    x = args[0] if args else kwargs["self"]
+    jp = _plan_of(func, args, kwargs)
+    (moved,) = jp.plan.operand_specs
+    local = x._local_tensor if moved is None else redistribute_local(x._local_tensor, x._spec, moved)
+    return [wrap(t, out) for t, out in zip(local.unbind(jp.local[0]), jp.plan.output_specs)]
 
 
 # --------------------------------------------------------------------------- #
 # cat / stack
 # --------------------------------------------------------------------------- #
-def _meta(t):
-    return meta_like(t) if isinstance(t, shard_tensor_cls()) else torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-def _as_shard_tensors(tensors, mesh):
-    """ShardTensors for every operand; plain tensors become Replicate (below autograd: no grad)."""
+def _operand_specs(tensors) -> tuple:
+    """Every operand's spec; a plain tensor's is Replicate on the mesh of the ShardTensor operands."""
     ShardTensor = shard_tensor_cls()
-    from ..spec import ShardTensorSpec
-
-    out = []
-    for t in tensors:
-        if not isinstance(t, ShardTensor):
-            spec = ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, tuple(t.shape), t.dtype)
-            t = ShardTensor(t, spec, requires_grad=False)
-        out.append(t)
-    return out
+    mesh = next(t for t in tensors if isinstance(t, ShardTensor))._spec.mesh
+    return tuple(t._spec if isinstance(t, ShardTensor) else replicated(mesh, t.shape, t.dtype) for t in tensors)
 
 
-def _reference(operands):
-    """The operand whose layout the output takes: the first sharded one, else the first."""
-    return next((x for x in operands if _layout.is_sharded(x._spec.placements)), operands[0])
+def _reference(specs):
+    """The operand layout the output takes: the first sharded one, else the first."""
+    return next((s for s in specs if _layout.is_sharded(s.placements)), specs[0])
 
 
-def _cat_tables(operands, ref, d):
-    """Each operand's size table along ``d`` in the output's layout, and the output's."""
-    spec = ref._spec
+def _cat_tables(specs, spec, d):
+    """Each operand's size table along ``d`` in the output's layout (``spec``'s), and the output's."""
     mesh_dims = _layout.sharding_mesh_dims(spec.placements, d)
     if not mesh_dims:
-        return [None] * len(operands), None
+        return [None] * len(specs), None
     pieces = []
-    for x in operands:
-        own = _layout.sharding_mesh_dims(x._spec.placements, d)
+    for x in specs:
+        own = _layout.sharding_mesh_dims(x.placements, d)
         if own == mesh_dims:
-            pieces.append(x._spec.dim_sizes[d])
-        elif all(not x._spec.placements[m].is_shard() and not x._spec.placements[m].is_partial() for m in mesh_dims):
-            pieces.append(x._spec.global_shape[d])
+            pieces.append(x.dim_sizes[d])
+        elif all(not x.placements[m].is_shard() and not x.placements[m].is_partial() for m in mesh_dims):
+            pieces.append(x.global_shape[d])
         else:
             pieces = None
             break
     shards = len(spec.dim_sizes[d])
     tables = _intervals.tiles(pieces, shards) if pieces is not None else None
     if tables is None:
-        extents = [x._spec.global_shape[d] for x in operands]
-        total = nested_chunks(sum(extents), [spec.mesh.size(m) for m in mesh_dims])
+        extents = [x.global_shape[d] for x in specs]
+        total = nested_chunks(sum(extents), [spec.mesh_shape[m] for m in mesh_dims])
         starts = [sum(extents[:i]) for i in range(len(extents))]
         tables = [_intervals.intersect(total, s, s + n) for s, n in zip(starts, extents)]
     return tables, tuple(sum(column) for column in zip(*tables))
 
 
-def _cat(func, args, kwargs):
-    tensors, dim = _arguments(func, args, kwargs)
-    out_meta = func([_meta(t) for t in tensors], dim)
+def _target(src, placements, tables):
+    """The layout ``src`` is brought to (None when it already has it)."""
+    if src.placements == placements and src.dim_sizes == tables:
+        return None
+    return src.with_layout(placements, tables)
+
+
+def _plan_cat(func, specs, dim):
+    out_meta = func(_meta(specs), dim)
     ndim = out_meta.ndim
     # torch.cat skips legacy 1-D empty operands when joining tensors of more dims.
-    ShardTensor = shard_tensor_cls()
-    tensors = [t for t in tensors if not (ndim != 1 and tuple(_meta(t).shape) == (0,))]
-    mesh = next(t for t in tensors if isinstance(t, ShardTensor))._spec.mesh
-    operands = _as_shard_tensors(tensors, mesh)
-    ref = _reference(operands)
+    kept = tuple(i for i, s in enumerate(specs) if not (ndim != 1 and tuple(s.global_shape) == (0,)))
+    operands = [specs[i] for i in kept]
+    spec = _reference(operands)
     d = normalize_dim(dim, ndim)
-    tables, out_table = _cat_tables(operands, ref, d)
-    spec = ref._spec
-    locals_ = []
-    for x, table in zip(operands, tables):
-        target = x._spec.with_layout(spec.placements, _replace(spec.dim_sizes, d, table))
-        locals_.append(to_layout(x, target))
-    out_spec = derived_spec(spec, spec.placements, tuple(out_meta.shape), _replace(spec.dim_sizes, d, out_table))
-    return wrap(func(locals_, d), out_spec)
+    tables, out_table = _cat_tables(operands, spec, d)
+    targets = [None] * len(specs)
+    for i, table in zip(kept, tables):
+        targets[i] = _target(specs[i], spec.placements, _replace(spec.dim_sizes, d, table))
+    out = derived_spec(spec, spec.placements, tuple(out_meta.shape), _replace(spec.dim_sizes, d, out_table))
+    return JoinPlan(OpPlan((out,), moves(specs, targets), tuple(targets)), (kept, d))
 
 
-def _stack(func, args, kwargs):
-    tensors, dim = _arguments(func, args, kwargs)
-    out_meta = func([_meta(t) for t in tensors], dim)
-    ShardTensor = shard_tensor_cls()
-    mesh = next(t for t in tensors if isinstance(t, ShardTensor))._spec.mesh
-    operands = _as_shard_tensors(tensors, mesh)
-    spec = _reference(operands)._spec
-    locals_ = [to_layout(x, x._spec.with_layout(spec.placements, spec.dim_sizes)) for x in operands]
+def _plan_stack(func, specs, dim):
+    out_meta = func(_meta(specs), dim)
+    spec = _reference(specs)
+    targets = tuple(_target(s, spec.placements, spec.dim_sizes) for s in specs)
     d = normalize_dim(dim, out_meta.ndim)
     placements, tables = with_new_dim(spec.placements, spec.dim_sizes, d)
-    return wrap(func(locals_, d), derived_spec(spec, placements, tuple(out_meta.shape), tables))
+    out = derived_spec(spec, placements, tuple(out_meta.shape), tables)
+    return JoinPlan(OpPlan((out,), moves(specs, targets), targets), (tuple(range(len(specs))), d))
+
+
+def _joined(func, args, kwargs):
+    """The rule of ``cat`` and ``stack``: bring each kept operand to its planned layout, join locally."""
+    tensors = list(args[0] if args else kwargs["tensors"])
+    specs = _operand_specs(tensors)
+    jp = _plan_of(func, (specs, *args[1:]), {k: v for k, v in kwargs.items() if k != "tensors"})
+    kept, d = jp.local
+    locals_ = []
+    for i in kept:
+        t, target = tensors[i], jp.plan.operand_specs[i]
+        local = t._local_tensor if isinstance(t, shard_tensor_cls()) else t
+        locals_.append(local if target is None else redistribute_local(local, specs[i], target))
+    return wrap(func(locals_, d), jp.plan.output_specs[0])
 
 
 # --------------------------------------------------------------------------- #
 # backward ops
 # --------------------------------------------------------------------------- #
-def _slice_backward(func, args, kwargs):
-    grad, input_sizes, dim, start, end, step = _arguments(func, args, kwargs)
-    spec, local = grad._spec, grad._local_tensor
+def _plan_slice_backward(func, spec, input_sizes, dim, start, end, step):
     d = normalize_dim(dim, len(input_sizes))
     size = input_sizes[d]
     start, end, step = _intervals.normalize_slice(size, start, end, step)
+    local_shape = spec.local_shape
     table = spec.dim_sizes[d]
     if table is None:
-        local_sizes = _replace(tuple(local.shape), d, size)
-        out = func(local, local_sizes, d, start, end, step)
+        local = (_replace(local_shape, d, size), d, start, end, step)
         new_table = None
     else:
         mesh_dims = _layout.sharding_mesh_dims(spec.placements, d)
-        split_rule = nested_chunks(size, [spec.mesh.size(m) for m in mesh_dims])
+        split_rule = nested_chunks(size, [spec.mesh_shape[m] for m in mesh_dims])
         scattered = _intervals.scatter_table(table, size, start, step, preferred=split_rule)
         me = _flat_index(spec, d)
         if scattered is None:  # the slice was empty: zeros in the split rule's layout
-            new_table = split_rule
-            first = 0
+            new_table, first = split_rule, 0
         else:
             new_table, starts = scattered
             first = starts[me]
         count = table[me]
-        local_sizes = _replace(tuple(local.shape), d, new_table[me])
-        out = func(local, local_sizes, d, first, first + (count - 1) * step + 1 if count else first, step)
-    out_spec = derived_spec(spec, spec.placements, tuple(input_sizes), _replace(spec.dim_sizes, d, new_table))
-    return wrap(out, out_spec)
+        end = first + (count - 1) * step + 1 if count else first
+        local = (_replace(local_shape, d, new_table[me]), d, first, end, step)
+    out = derived_spec(spec, spec.placements, tuple(input_sizes), _replace(spec.dim_sizes, d, new_table))
+    return JoinPlan(OpPlan((out,)), local)
 
 
-def _select_backward(func, args, kwargs):
-    grad, input_sizes, dim, index = _arguments(func, args, kwargs)
-    spec, local = grad._spec, grad._local_tensor
+def _plan_select_backward(func, spec, input_sizes, dim, index):
     d = normalize_dim(dim, len(input_sizes))
     placements, tables = with_new_dim(spec.placements, spec.dim_sizes, d)
-    local_sizes = tuple(local.shape[:d]) + (input_sizes[d],) + tuple(local.shape[d:])
-    out = func(local, local_sizes, d, index)
-    return wrap(out, derived_spec(spec, placements, tuple(input_sizes), tables))
+    local_shape = spec.local_shape
+    local = (local_shape[:d] + (input_sizes[d],) + local_shape[d:], d, index)
+    return JoinPlan(OpPlan((derived_spec(spec, placements, tuple(input_sizes), tables),)), local)
 
+
+def _scattered(func, args, kwargs):
+    """The rule of ``slice_backward``/``select_backward``: the local op into the planned slab."""
+    grad = args[0] if args else kwargs["grad_output"]
+    jp = _plan_of(func, args, kwargs)
+    return wrap(func(grad._local_tensor, *jp.local), jp.plan.output_specs[0])
+
+
+_PLANNERS = {
+    aten.slice.Tensor: _plan_slice,
+    aten.narrow_copy.default: _plan_narrow_copy,
+    aten.split.Tensor: _plan_split,
+    aten.split_with_sizes.default: _plan_split,
+    aten.select.int: _plan_select,
+    aten.unbind.int: _plan_unbind,
+    aten.cat.default: _plan_cat,
+    aten.stack.default: _plan_stack,
+    aten.slice_backward.default: _plan_slice_backward,
+    aten.select_backward.default: _plan_select_backward,
+}
 
 RULES: dict = {
     aten.slice.Tensor: _slice,
@@ -307,9 +413,12 @@ RULES: dict = {
     aten.split_with_sizes.default: _split,
     aten.select.int: _select,
     aten.unbind.int: _unbind,
-    aten.cat.default: _cat,
-    aten.stack.default: _stack,
-    aten.slice_backward.default: _slice_backward,
-    aten.select_backward.default: _select_backward,
+    aten.cat.default: _joined,
+    aten.stack.default: _joined,
+    aten.slice_backward.default: _scattered,
+    aten.select_backward.default: _scattered,
 }
 FUNCTIONS: dict = {}
+
+#: ``propagation.plan`` entries: every op of this family plans apart from execution.
+PROPAGATORS: dict = dict.fromkeys(_PLANNERS, _propagate_entry)

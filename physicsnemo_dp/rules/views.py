@@ -31,6 +31,12 @@ Communication, per op:
   ``view_as_complex`` of a tensor whose last dim is sharded raises
   PlacementError on every rank (a pair split between ranks is no number).
 
+Planning is apart from execution for the view ops above (not ``view(dtype)``,
+``view_as_real``/``view_as_complex``): :func:`propagate`, a pure function of
+the op, the input's spec and the other arguments, memoised, gives the layout
+the input must take first (if any), the output spec and the local op; the rule
+runs that on the local tensor (``propagation.plan`` asks the same function).
+
 Pending reductions (``Partial``) pass through all of them: views are linear
 (``view_as_real``/``view_as_complex`` too: complex sums are componentwise).
 ``view(dtype)`` is the exception: the bits of a sum are not the sum of the
@@ -45,13 +51,17 @@ describe any rank's local memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
 from .._redistribute import redistribute_local
 from .._reshape import compatible_layout, output_layout
 from ..errors import PlacementError
-from ..rule_kit import normalize_dim, resolve_partial, unshard_dims, wrap
+from ..propagation import OpPlan, redistribution_steps
+from ..rule_kit import normalize_dim, resolve_partial, unshard_target, wrap
 
 aten = torch.ops.aten
 
@@ -100,27 +110,18 @@ def _sharded(spec, dims) -> list[int]:
 # --------------------------------------------------------------------------- #
 # view / _unsafe_view
 # --------------------------------------------------------------------------- #
-def reshape_local(x, out_shape):
-    """This rank's local tensor and spec of ``x`` reshaped to global ``out_shape``."""
-    spec, local = x._spec, x._local_tensor
+def _plan_view(func, spec, size):
+    out_shape = tuple(func(_meta(spec), size).shape)
     in_shape = spec.global_shape
+    moved = None
     layout = output_layout(in_shape, out_shape, spec.placements, spec.dim_sizes)
     if layout is None:
-        placements, tables = compatible_layout(
-            in_shape, out_shape, spec.placements, spec.dim_sizes, spec.mesh_shape
-        )
-        moved = spec.with_layout(placements, tables)
-        local, spec = redistribute_local(local, spec, moved), moved
+        placements, tables = compatible_layout(in_shape, out_shape, spec.placements, spec.dim_sizes, spec.mesh_shape)
+        moved = spec = spec.with_layout(placements, tables)
         layout = output_layout(in_shape, out_shape, spec.placements, spec.dim_sizes)
-    out_spec = derived_spec(spec, layout[0], out_shape, layout[1])
+    out = derived_spec(spec, layout[0], out_shape, layout[1])
     # reshape aliases whenever a view is possible, like the global op.
-    return local.reshape(tuple(out_spec.local_shape)), out_spec
-
-
-def _view(func, args, kwargs):
-    x, size = args[0], args[1]
-    out_shape = tuple(func(meta_like(x), size).shape)
-    return wrap(*reshape_local(x, out_shape))
+    return moved, out, torch.Tensor.reshape, (tuple(out.local_shape),)
 
 
 # --------------------------------------------------------------------------- #
@@ -235,52 +236,45 @@ def _view_as_complex(func, args, kwargs):
 # --------------------------------------------------------------------------- #
 # permute / transpose / t
 # --------------------------------------------------------------------------- #
-def _permuted(x, perm, local):
-    spec = x._spec
+def _permuted(spec, perm):
     inverse = {d: i for i, d in enumerate(perm)}
     placements = renumber(spec.placements, inverse)
     tables = tuple(spec.dim_sizes[d] for d in perm)
     shape = tuple(spec.global_shape[d] for d in perm)
-    return wrap(local, derived_spec(spec, placements, shape, tables))
+    return derived_spec(spec, placements, shape, tables)
 
 
-def _permute(func, args, kwargs):
-    x, dims = args[0], args[1]
-    func(meta_like(x), dims)
-    perm = [normalize_dim(d, ndim_of(x)) for d in dims]
-    return _permuted(x, perm, func(x._local_tensor, dims))
+def _plan_permute(func, spec, dims):
+    func(_meta(spec), dims)
+    perm = [normalize_dim(d, len(spec.global_shape)) for d in dims]
+    return None, _permuted(spec, perm), func, (dims,)
 
 
-def _transpose(func, args, kwargs):
-    x, *dims = args
-    func(meta_like(x), *dims)
-    perm = list(range(ndim_of(x)))
+def _plan_transpose(func, spec, *dims):
+    func(_meta(spec), *dims)
+    perm = list(range(len(spec.global_shape)))
     if func is aten.t.default:
         perm.reverse()
     else:
         a, b = (normalize_dim(d, len(perm)) for d in dims)
         if perm:
             perm[a], perm[b] = perm[b], perm[a]
-    return _permuted(x, perm, func(x._local_tensor, *dims))
+    return None, _permuted(spec, perm), func, dims
 
 
 # --------------------------------------------------------------------------- #
 # unsqueeze / squeeze
 # --------------------------------------------------------------------------- #
-def _unsqueeze(func, args, kwargs):
-    x, dim = args
-    func(meta_like(x), dim)
-    d = normalize_dim(dim, ndim_of(x) + 1)
-    spec = x._spec
+def _plan_unsqueeze(func, spec, dim):
+    func(_meta(spec), dim)
+    d = normalize_dim(dim, len(spec.global_shape) + 1)
     placements, tables = with_new_dim(spec.placements, spec.dim_sizes, d)
     shape = spec.global_shape[:d] + (1,) + spec.global_shape[d:]
-    return wrap(x._local_tensor.unsqueeze(d), derived_spec(spec, placements, shape, tables))
+    return None, derived_spec(spec, placements, shape, tables), torch.Tensor.unsqueeze, (d,)
 
 
-def _squeeze(func, args, kwargs):
-    x, *dims = args
-    func(meta_like(x), *dims)
-    local, spec = x._local_tensor, x._spec
+def _plan_squeeze(func, spec, *dims):
+    func(_meta(spec), *dims)
     ndim = len(spec.global_shape)
     if not dims:
         dims = range(ndim)
@@ -290,36 +284,98 @@ def _squeeze(func, args, kwargs):
         dims = dims[0]
     drop = sorted({normalize_dim(d, ndim) for d in dims} if ndim else ())
     drop = [d for d in drop if spec.global_shape[d] == 1]
+    moved = None
     if _sharded(spec, drop):
-        local, spec = unshard_dims(x, drop, keep_partial=True)
+        moved = spec = unshard_target(spec, tuple(drop), keep_partial=True)
     keep = [d for d in range(ndim) if d not in drop]
     mapping = {d: i for i, d in enumerate(keep)}
     placements = renumber(spec.placements, mapping)
     tables = tuple(spec.dim_sizes[d] for d in keep)
     shape = tuple(spec.global_shape[d] for d in keep)
-    return wrap(local.squeeze(tuple(drop)), derived_spec(spec, placements, shape, tables))
+    return moved, derived_spec(spec, placements, shape, tables), torch.Tensor.squeeze, (tuple(drop),)
 
 
 # --------------------------------------------------------------------------- #
 # expand
 # --------------------------------------------------------------------------- #
-def _expand(func, args, kwargs):
-    x, size, *rest = args
-    out_shape = tuple(func(meta_like(x), size, *rest, **kwargs).shape)
-    local, spec = x._local_tensor, x._spec
+def _plan_expand(func, spec, size, *rest, **kwargs):
+    out_shape = tuple(func(_meta(spec), size, *rest, **kwargs).shape)
     ndim = len(spec.global_shape)
     lead = len(out_shape) - ndim
     grown = [d for d in range(ndim) if spec.global_shape[d] != out_shape[lead + d]]
+    moved = None
     if _sharded(spec, grown):
-        local, spec = unshard_dims(x, grown, keep_partial=True)
+        moved = spec = unshard_target(spec, tuple(grown), keep_partial=True)
     local_shape = spec.local_shape
-    local_size = list(out_shape[:lead]) + [
+    local_size = tuple(out_shape[:lead]) + tuple(
         out_shape[lead + d] if d in grown else local_shape[d] for d in range(ndim)
-    ]
+    )
     placements = renumber(spec.placements, {d: d + lead for d in range(ndim)})
     tables = (None,) * lead + tuple(spec.dim_sizes)
-    out = func(local, local_size, *rest, **kwargs)
-    return wrap(out, derived_spec(spec, placements, out_shape, tables))
+    return moved, derived_spec(spec, placements, out_shape, tables), func, (local_size, *rest)
+
+
+# --------------------------------------------------------------------------- #
+# Propagation apart from execution
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class ViewPlan:
+    """A view op decided from metadata: the input's layout before the local op, the output, the local op.
+
+    ``moved`` is None when the input stays as it is; ``local_op(local,
+    *local_args, **dict(local_kwargs))`` makes this rank's output.
+    """
+
+    moved: object
+    out: object
+    local_op: object
+    local_args: tuple
+    local_kwargs: tuple
+    plan: OpPlan
+
+
+_PLANNERS = {}  # filled below RULES: ATen op -> its planner
+
+
+@lru_cache(maxsize=4096)
+def propagate(func, spec, args: tuple, kwargs: tuple) -> ViewPlan:
+    """The pure half of a view op: memoised on the op, the input spec and the (frozen) other arguments.
+
+    Bad arguments raise torch's own error (checked on a meta tensor of the
+    global shape), on every rank alike; errors are not memoised.
+    """
+    moved, out, local_op, local_args = _PLANNERS[func](func, spec, *args, **dict(kwargs))
+    steps = () if moved is None else redistribution_steps(spec, moved, 0)
+    local_kwargs = kwargs if local_op is func else ()
+    return ViewPlan(moved, out, local_op, local_args, local_kwargs, OpPlan((out,), steps, (moved,)))
+
+
+def _freeze(a):
+    """A hashable stand-in for an argument (lists of sizes become tuples)."""
+    return tuple(_freeze(v) for v in a) if isinstance(a, (list, tuple)) else a
+
+
+def _planned(func, args, kwargs):
+    """The rule of every planned view op: look the plan up, run it on the local tensor."""
+    x = args[0]
+    key = (func, x._spec, _freeze(args[1:]), tuple(sorted(kwargs.items())))
+    try:
+        vp = propagate(*key)
+    except TypeError as unhashable:  # e.g. symbolic sizes: planned, not memoised
+        if "unhashable" not in str(unhashable):
+            raise
+        vp = propagate.__wrapped__(*key)
+    local = x._local_tensor if vp.moved is None else redistribute_local(x._local_tensor, x._spec, vp.moved)
+    return wrap(vp.local_op(local, *vp.local_args, **dict(vp.local_kwargs)), vp.out)
+
+
+def _propagate_entry(func, args, kwargs) -> OpPlan:
+    """``propagation.plan``'s entry for this family (the input given by its spec)."""
+    return propagate(func, args[0], _freeze(args[1:]), tuple(sorted(kwargs.items()))).plan
+
+
+def _meta(spec) -> torch.Tensor:
+    return torch.empty(spec.global_shape, dtype=spec.tensor_meta.dtype, device="meta")
 
 
 def _as_strided(func, args, kwargs):
@@ -330,21 +386,28 @@ def _as_strided(func, args, kwargs):
     )
 
 
+_PLANNERS.update({
+    aten.view.default: _plan_view,
+    aten._unsafe_view.default: _plan_view,
+    aten.permute.default: _plan_permute,
+    aten.transpose.int: _plan_transpose,
+    aten.t.default: _plan_transpose,
+    aten.unsqueeze.default: _plan_unsqueeze,
+    aten.squeeze.default: _plan_squeeze,
+    aten.squeeze.dim: _plan_squeeze,
+    aten.squeeze.dims: _plan_squeeze,
+    aten.expand.default: _plan_expand,
+})
+
 RULES: dict = {
-    aten.view.default: _view,
-    aten._unsafe_view.default: _view,
+    **{op: _planned for op in _PLANNERS},
     aten.view.dtype: _view_dtype,
     aten.view_as_real.default: _view_as_real,
     aten.view_as_complex.default: _view_as_complex,
-    aten.permute.default: _permute,
-    aten.transpose.int: _transpose,
-    aten.t.default: _transpose,
-    aten.unsqueeze.default: _unsqueeze,
-    aten.squeeze.default: _squeeze,
-    aten.squeeze.dim: _squeeze,
-    aten.squeeze.dims: _squeeze,
-    aten.expand.default: _expand,
     aten.as_strided.default: _as_strided,
     aten.as_strided_.default: _as_strided,
 }
 FUNCTIONS: dict = {}
+
+#: ``propagation.plan`` entries of this family (the ops planned apart from execution).
+PROPAGATORS: dict = {op: _propagate_entry for op in _PLANNERS}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from ..split import offsets_from_sizes
@@ -119,6 +120,19 @@ class Tabulated:
     def out_size(self) -> int:
         return len(self.anchors)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        """The hash, computed once per map.
+
+        The tables are as long as the global output dim, which grows with P,
+        and every plan lookup keys on the map: hashing them per call would be
+        O(P) work on every op.
+        """
+        return hash((self.in_size, self.anchors, self.lo, self.hi))
+
     def count_below(self, i: int) -> int:
         return bisect_left(self.anchors, i)
 
@@ -152,10 +166,12 @@ def out_sizes(dim_map, in_sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(o1 - o0 for o0, o1 in out_ranges(dim_map, in_sizes))
 
 
-def windows(dim_map, in_sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """Input window ``[lo, hi)`` of every shard; empty where the shard has no outputs."""
+def windows(dim_map, in_sizes: Sequence[int], ranges=None) -> tuple[tuple[int, int], ...]:
+    """Input window ``[lo, hi)`` of every shard; empty where the shard has no outputs.
+
+    ``ranges``: :func:`out_ranges` of the same arguments, when the caller has them already.
+    """
     starts = offsets_from_sizes(tuple(in_sizes))
-    return tuple(
-        dim_map.window(o0, o1) if o1 > o0 else (start, start)
-        for start, (o0, o1) in zip(starts, out_ranges(dim_map, in_sizes))
-    )
+    if ranges is None:
+        ranges = out_ranges(dim_map, in_sizes)
+    return tuple(dim_map.window(o0, o1) if o1 > o0 else (start, start) for start, (o0, o1) in zip(starts, ranges))

@@ -86,8 +86,9 @@ class DimPlan:
     fill: bool
     identity: bool
 
-    @property
+    @functools.cached_property
     def received_rows(self) -> int:
+        """Rows this rank receives (kept: a sum over the P-long split table, asked on every call)."""
         return sum(self.recv_splits)
 
 
@@ -105,43 +106,74 @@ def plan_dim(
 
     ``sizes[r]`` and ``windows[r]`` are shard ``r``'s extent and requested
     window (global indices), for every rank of the group along ``mesh_dim``.
+
+    Row tables are built only for this rank and the ranks whose windows can
+    read its rows (its neighbours, and in the wrapping modes the ranks whose
+    windows overhang the global boundary); the scan over the other ranks is
+    integer arithmetic. So a plan for 4,096 ranks costs little more than one
+    for 4 (the split tables the collective takes stay P long).
     """
     extent = sum(sizes)
     starts = offsets_from_sizes(sizes)
     ends = tuple(s + n for s, n in zip(starts, sizes))
-    sources = [source_rows(lo, hi, extent, mode) for lo, hi in windows]
-    foreign = [(s >= 0) & ((s < starts[r]) | (s >= ends[r])) for r, s in enumerate(sources)]
-    mine = slice(starts[me], ends[me])
+    lo_me, hi_me = starts[me], ends[me]
+    wraps = mode not in ("zeros", "constant")
+
+    def overhangs(r: int) -> bool:
+        lo, hi = windows[r]
+        return wraps and hi > lo and (lo < 0 or hi > extent)
+
+    def reads_foreign(r: int) -> bool:
+        lo, hi = windows[r]
+        if overhangs(r):
+            return bool(_foreign(source_rows(lo, hi, extent, mode), starts[r], ends[r]).any())
+        lo, hi = max(lo, 0), min(hi, extent)
+        return hi > lo and (lo < starts[r] or hi > ends[r])
+
+    def may_read_mine(r: int) -> bool:
+        lo, hi = windows[r]
+        return r != me and sizes[me] > 0 and (overhangs(r) or (lo < hi_me and hi > lo_me and hi > lo))
 
     sends = []
-    for r, (src, alien) in enumerate(zip(sources, foreign)):
-        wanted = src[alien & (src >= mine.start) & (src < mine.stop)]
-        sends.append(torch.unique(wanted) - mine.start)
-    received = torch.unique(sources[me][foreign[me]])
+    for r in range(len(sizes)):
+        if not may_read_mine(r):
+            sends.append(None)
+            continue
+        src = source_rows(*windows[r], extent, mode)
+        wanted = src[_foreign(src, starts[r], ends[r]) & (src >= lo_me) & (src < hi_me)]
+        sends.append(torch.unique(wanted) - lo_me)
+    src = source_rows(*windows[me], extent, mode)
+    mine_foreign = _foreign(src, lo_me, hi_me)
+    received = torch.unique(src[mine_foreign])
     owners = torch.searchsorted(torch.tensor(ends), received, right=True)
     recv_splits = tuple(torch.bincount(owners, minlength=len(sizes)).tolist())
 
-    src = sources[me]
     local, n_recv = sizes[me], len(received)
     assembly = torch.where(
         src < 0,
         local + n_recv,
-        torch.where(foreign[me], local + torch.searchsorted(received, src), src - mine.start),
+        torch.where(mine_foreign, local + torch.searchsorted(received, src), src - lo_me),
     )
-    exchange = any(bool(a.any()) for a in foreign)
+    exchange = any(reads_foreign(r) for r in range(len(sizes)))
     fill = bool((src < 0).any())
+    present = [s for s in sends if s is not None]
     return DimPlan(
         dim=dim,
         mesh_dim=mesh_dim,
         local_rows=local,
-        send_index=torch.cat(sends),
-        send_splits=tuple(len(s) for s in sends),
+        send_index=torch.cat(present) if present else torch.zeros(0, dtype=torch.long),
+        send_splits=tuple(0 if s is None else len(s) for s in sends),
         recv_splits=recv_splits,
         segments=_segments(assembly.tolist(), local, n_recv),
         exchange=exchange,
         fill=fill,
         identity=not exchange and not fill and torch.equal(assembly, torch.arange(local)),
     )
+
+
+def _foreign(src: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Which positions of a window read a real row that the shard ``[start, end)`` does not own."""
+    return (src >= 0) & ((src < start) | (src >= end))
 
 
 def _segments(assembly: list[int], local: int, received: int) -> tuple[tuple[int, int, int], ...]:

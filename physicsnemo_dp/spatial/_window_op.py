@@ -26,6 +26,8 @@ the halo exchange assembles. The pieces:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
 from typing import Collection, Mapping, Sequence
 
 import torch
@@ -33,6 +35,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .._torch_compat import Function, non_differentiable
 from .._redistribute import grad_layout
+from ..propagation import CommStep
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
 from . import _geometry, halo
@@ -105,6 +108,30 @@ class Geometry:
     ranges: Mapping[int, tuple[int, int]]
     fill_value: float
 
+    def comm_steps(self) -> tuple:
+        """The forward halo exchanges as :class:`~physicsnemo_dp.propagation.CommStep` s, this rank's bytes.
+
+        One ``halo`` all-to-all per exchanging dim, in the order the
+        executor runs them; a later dim's rows carry the earlier dims'
+        received rows (the corners), as :func:`.halo.exchange` sends them.
+        Backward sends the window's gradient back along the same steps with
+        sent and received swapped. Pure: read from the plans, nothing runs.
+        """
+        shape = list(self.in_spec.local_shape)
+        itemsize = self.in_spec.tensor_meta.dtype.itemsize
+        coord = self.in_spec.coordinate
+        steps = []
+        for p in self.plans:
+            if not p.exchange:
+                continue
+            row = prod(n for k, n in enumerate(shape) if k != p.dim) * itemsize
+            me = coord[p.mesh_dim]
+            sent = (sum(p.send_splits) - p.send_splits[me]) * row
+            received = (sum(p.recv_splits) - p.recv_splits[me]) * row
+            steps.append(CommStep(halo.KIND, p.mesh_dim, sent, received, 0))
+            shape[p.dim] += p.received_rows
+        return tuple(steps)
+
 
 def build(x_spec, maps: Mapping[int, object], out_shape: Sequence[int], mode: str, fill_value: float = 0.0,
           native: Collection[int] = ()) -> Geometry:  # fmt: skip
@@ -112,23 +139,33 @@ def build(x_spec, maps: Mapping[int, object], out_shape: Sequence[int], mode: st
 
     ``native`` lists window dims this rank holds whole (see :func:`whole_extent`)
     whose window the kernel applies itself (torch's own padding): they need no
-    halo plan, and this rank computes all of their outputs.
+    halo plan, and this rank computes all of their outputs. Pure and memoised
+    on its (hashable) arguments: the input spec with its size tables, the
+    frozen dim maps, the output shape and the boundary mode; a network applies
+    the same few geometries on every step. :meth:`Geometry.comm_steps` gives the
+    bytes the plan will move.
     """
+    return _build(x_spec, tuple(sorted(maps.items())), tuple(out_shape), mode, fill_value, tuple(sorted(native)))
+
+
+@lru_cache(maxsize=1024)
+def _build(x_spec, maps: tuple, out_shape: tuple, mode: str, fill_value: float, native: tuple) -> Geometry:
+    maps = dict(maps)
     tables = list(x_spec.dim_sizes)
-    ranges = {}
+    ranges, windowed = {}, {}
     for d, dim_map in maps.items():
         sizes, me, _ = halo.group_sizes(x_spec, d)
         if d in native:
             ranges[d], out_sizes = (0, out_shape[d]), (out_shape[d],)
         else:
-            ranges[d] = _geometry.out_ranges(dim_map, sizes)[me]
-            out_sizes = _geometry.out_sizes(dim_map, sizes)
+            every = _geometry.out_ranges(dim_map, sizes)  # every shard's, once: O(P) integer arithmetic
+            ranges[d], out_sizes = every[me], tuple(o1 - o0 for o0, o1 in every)
+            windowed[d] = _windows_of(dim_map, every)
         if tables[d] is not None:
             tables[d] = out_sizes
     out_spec = ShardTensorSpec.from_sizes(
         x_spec.mesh, x_spec.placements, tuple(out_shape), x_spec.tensor_meta.dtype, tuple(tables)
     )
-    windowed = {d: _windows_of(m) for d, m in maps.items() if d not in native}
     plans = halo.plan_windows(x_spec, windowed, mode)
     return Geometry(x_spec, out_spec, plans, ranges, fill_value)
 
@@ -138,8 +175,8 @@ def whole_extent(x_spec, dim: int) -> bool:
     return len(halo.group_sizes(x_spec, dim)[0]) == 1
 
 
-def _windows_of(dim_map):
-    return lambda sizes: _geometry.windows(dim_map, sizes)
+def _windows_of(dim_map, ranges):
+    return lambda sizes: _geometry.windows(dim_map, sizes, ranges)
 
 
 # --------------------------------------------------------------------------- #

@@ -63,6 +63,7 @@ def group_sizes(spec, dim: int) -> tuple[tuple[int, ...], int, int | None]:
     """``(sizes, me, mesh_dim)`` of the shards along ``dim`` in this rank's group.
 
     An unsharded dim is one shard of the full extent (``mesh_dim`` None).
+    O(1) in the world size: the returned table is the spec's own.
     """
     mesh_dims = _layout.sharding_mesh_dims(spec.placements, dim)
     if not mesh_dims:
@@ -72,10 +73,10 @@ def group_sizes(spec, dim: int) -> tuple[tuple[int, ...], int, int | None]:
             f"dim {dim} is sharded over several mesh dims {mesh_dims}; a halo exchange needs it "
             "sharded by one mesh dim: redistribute it first"
         )
+    # One mesh dim shards ``dim``, so its size table *is* this rank's group (indexed by
+    # the coordinate along that mesh dim): no O(P) walk over the mesh to collect it.
     m = mesh_dims[0]
-    coord = spec.coordinate
-    sizes = _layout.group_sizes(spec.mesh_shape, spec.placements, spec.dim_sizes, coord, m, dim)
-    return sizes, coord[m], m
+    return spec.dim_sizes[dim], spec.coordinate[m], m
 
 
 def plan_windows(spec, windows_by_dim: Mapping[int, object], mode: str) -> tuple[DimPlan, ...]:

@@ -13,7 +13,7 @@ from tests._harness import distributed
 from ..core._util import make_spec, shard_from_global
 from ._memory import LiveBytes
 
-S2, R = Shard(2), Replicate()
+S2, S3, R = Shard(2), Shard(3), Replicate()
 
 
 def _g(shape, seed, dtype=torch.float64):
@@ -145,3 +145,58 @@ def test_ring_memory_scales_with_local_size(ctx):
     assert mem.peak <= 2 * tile + 24 * local, (mem.peak, tile, local)  # measured: 1.2 tiles forward, 2.6 in all
     if P == 4:
         assert mem.peak < H * (P * n) ** 2 * 8 / 5  # a fifth of one global score matrix
+
+
+@distributed(world_sizes=(2, 3, 4), timeout=300)
+def test_backward_in_head_chunks(ctx):
+    """Large blocks run the ring's backward in head chunks: same results and bytes, one message per chunk and hop.
+
+    The chunk threshold is lowered so that these small blocks are cut (two
+    chunks of the grouped heads); the cases cover grouped-query heads, a
+    key head shared by every query head (never cut: it would travel once per
+    chunk), causal tiles, and a per-head mask travelling with the keys.
+    """
+    from physicsnemo_dp.attention import ring
+
+    from ..ops._diff import check
+    from .test_sdpa import _qkv
+
+    mesh = ctx.mesh
+    P = mesh.size(mesh.ndim - 1)
+    sdpa = F.scaled_dot_product_attention
+
+    def on(p):
+        return (p,) if mesh.ndim == 1 else (Shard(0), p)
+
+    bias = _g((2, 4, 7, 6), 10)
+    cases = [
+        ("4 heads", _qkv(Hq=4, Hk=4), lambda q, k, v: sdpa(q, k, v), None),
+        ("4 heads, causal", _qkv(Hq=4, Hk=4, S=7), lambda q, k, v: sdpa(q, k, v, is_causal=True), None),
+        ("gqa", _qkv(Hq=4, Hk=2), lambda q, k, v: sdpa(q, k, v, enable_gqa=True), None),
+        ("shared key head", _qkv(Hq=3, Hk=1), lambda q, k, v: sdpa(q, k, v), None),
+        ("per-head mask", _qkv(Hq=4, Hk=4), lambda q, k, v, m: sdpa(q, k, v, attn_mask=m.detach()), (bias, on(S3))),
+    ]
+    counted = mesh.ndim == 1  # (the 2x2 mesh's layouts redistribute first; the results are checked above)
+    if counted:
+        (q, k, v), _ = _inputs(mesh, [(S2,)] * 3, H=4)
+        out = sdpa(q, k, v)
+        with count_collectives() as whole:  # blocks below the threshold: one message per hop
+            _backward(out)
+    saved = ring._MIN_CHUNK_BYTES
+    ring._MIN_CHUNK_BYTES = 1
+    try:
+        for label, tensors, fn, mask in cases:
+            inputs = [(t, on(S2)) for t in tensors] + ([mask] if mask is not None else [])
+            check(fn, inputs, mesh, label=label)
+        if counted:
+            with count_collectives() as fwd:
+                out = sdpa(q, k, v)
+            with count_collectives() as bwd:
+                _backward(out)
+    finally:
+        ring._MIN_CHUNK_BYTES = saved
+    if counted:
+        assert fwd.calls == {"send_recv": P - 1}  # the forward is not cut
+        assert whole.calls == {"send_recv": 2 * P - 2}
+        assert bwd.calls == {"send_recv": 2 * (2 * P - 2)}  # two chunks, each with its blocks and accumulators
+        assert bwd.total_sent == whole.total_sent and bwd.total_received == whole.total_received

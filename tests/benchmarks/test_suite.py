@@ -41,12 +41,15 @@ def test_every_suite_reports_at_every_world_size_and_has_a_plot(report):
     out, data = report
     seen = {(r["suite"], r["world_size"]) for r in data["results"]}
     suites = {suite for suite, _ in seen}
-    assert suites == {"comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io"}
+    assert suites == {"comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io", "scaling_curves",
+                      "graph", "graph_search", "mesh_prepare"}
     for suite in suites - {"comm_volume"}:  # nothing moves on one rank, so comm_volume starts at 2
         assert {ws for s, ws in seen if s == suite} == set(WORLD_SIZES), suite
     assert {ws for s, ws in seen if s == "comm_volume"} == {2, 4}
-    for suite in suites:
+    for suite in suites - {"scaling_curves"}:
         assert (out / f"{suite}.png").stat().st_size > 0
+    for model in ("conv_net", "transformer_block", "fno"):  # curves: one plot per model
+        assert (out / f"scaling_curves_{model}.png").stat().st_size > 0
     meta = data["meta"]
     assert meta["world_sizes"] == list(WORLD_SIZES) and meta["tiny"] and meta["compare_dtensor"]
 
@@ -70,3 +73,30 @@ def test_the_cases_the_issue_asks_for_are_measured(report):
     assert has("throughput_scaling", 2, "halo bytes / interior")
     for layout in ("contiguous", "chunked"):
         assert has("io", 2, layout, "no prefetch") and has("io", 2, layout, "prefetch")
+    # issue 17: ghost traffic vs its minimum, MeshGraphNet step memory, neighbour-search pruning
+    assert has("graph", 4, "ghost bytes / minimum") and has("graph", 4, "meshgraphnet step", "per-rank peak")
+    assert has("graph_search", 4, "points exchanged / full ring")
+    # issue 20: distributed and out-of-core mesh preparation
+    assert has("mesh_prepare", 4, "per-rank peak memory") and has("mesh_prepare", 1, "out of core")
+
+
+def test_graph_ghost_fraction_plot(report):
+    out, _ = report
+    assert (out / "graph_ghost_fraction.png").stat().st_size > 0
+
+
+def test_scaling_curves_have_three_sizes_per_model_and_world_size(report):
+    _, data = report
+    curves = [r for r in data["results"] if r["suite"] == "scaling_curves"]
+    for model in ("conv net", "transformer block", "fno"):
+        for ws in WORLD_SIZES:
+            sizes = {r["local_size"] for r in curves if r["case"].startswith(model) and r["world_size"] == ws}
+            assert len(sizes) >= 3, (model, ws, sizes)
+
+
+def test_crossing_interpolates_in_log_size():
+    from benchmarks.scaling_curves import crossing
+
+    assert crossing([(16, 0.5), (64, 0.7), (256, 0.95)]) == pytest.approx(64 * 4 ** (0.2 / 0.25))
+    assert crossing([(16, 0.95), (64, 0.99)]) == 16  # above from the start
+    assert crossing([(16, 0.5), (64, 0.8)]) is None  # never reaches it

@@ -36,11 +36,21 @@ def test_prepare_reorders_points_and_renumbers_cells_consistently(curve, tmp_pat
     assert np.array_equal(owner, cells.min(axis=1)) and (np.diff(owner) >= 0).all()
 
 
-def test_reader_ranges_are_contiguous_uneven_and_cells_follow_their_owner(tmp_path):
+@pytest.mark.parametrize("via", ["arrays", "vtu"])
+def test_reader_ranges_are_contiguous_uneven_and_cells_follow_their_owner(via, tmp_path):
     mesh = point_cloud(500, kind="surface", seed=1)
-    path = prepare_mesh(tmp_path / "m.h5", mesh.points, mesh.fields, mesh.cells)
+    if via == "vtu":  # the same mesh through a solver's file format (meshio), with its cell types
+        pytest.importorskip("meshio")
+        from datapipes.mesh_formats import CELL_TYPES, MeshArrays, write_mesh
+
+        types = np.full(len(mesh.cells), CELL_TYPES["triangle"], np.uint8)
+        vtu = write_mesh(tmp_path / "m.vtu", MeshArrays(mesh.points, mesh.fields, mesh.cells, types))
+        path = prepare_mesh(tmp_path / "m.h5", vtu)
+    else:
+        path = prepare_mesh(tmp_path / "m.h5", mesh.points, mesh.fields, mesh.cells)
     source = MeshSource(path)
-    assert set(source.variables) == {"points", "pressure", "normal", "cells"}
+    typed = {"cell_type"} if via == "vtu" else set()
+    assert set(source.variables) == {"points", "pressure", "normal", "cells"} | typed
     with h5py.File(path) as f:
         owner = f["cell_owner"][()]
     n = source.num_points(0)

@@ -154,3 +154,27 @@ def test_adaptive_windows():
     m = _geometry.adaptive(10, 4)
     assert list(zip(m.lo, m.hi)) == [(0, 3), (2, 5), (5, 8), (7, 10)]
     assert sum(_geometry.out_sizes(m, (3, 0, 4, 3))) == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_plans_built_from_neighbours_only_match_the_padded_tensor(mode):
+    """Plans look only at the ranks that can read this rank's rows: many thin, empty and strided shards.
+
+    Windows from a strided map (pooling-like, ceil mode) reach past several
+    thin neighbours and the boundary; the group-wide ``exchange`` flag, found
+    by arithmetic alone, must agree with the rows that actually move.
+    """
+    rng = random.Random(1)
+    for _ in range(60):
+        parts = rng.randint(2, 9)
+        extent = rng.randint(2, 20)
+        sizes = _random_sizes(rng, extent, parts)
+        k, s, pad = rng.randint(1, min(5, extent)), rng.randint(1, 3), rng.randint(0, 2)
+        pad = min(pad, k // 2)
+        m = _geometry.Strided(extent, _conv_out(extent, k, s, 1, pad, pad), k, s, 1, pad)
+        windows = _geometry.windows(m, sizes)
+        got, volume = _simulate(sizes, windows, mode)
+        for g, r in zip(got, _reference(sizes, windows, mode)):
+            assert torch.equal(g, r), (sizes, windows, mode)
+        flags = {plan_dim(sizes, windows, r, mode, 0, 0).exchange for r in range(parts)}
+        assert flags == {volume > 0}, (sizes, windows, mode)

@@ -10,6 +10,13 @@ what moves.
 ``FUNCTIONS`` (from :mod:`.grad`) take over cumprod, cummax, cummin, sort and
 topk above autograd, because their ATen backward formulas scatter into plain
 full-size tensors.
+
+Propagation: softmax/log_softmax and their backward, and sort, plan apart
+from execution (``softmax.propagate``, ``select.propagate_sort``, served by
+``propagation.plan``). The scans, topk, flip/roll and layer_norm still plan
+inline while they run: not for
+a reason of principle (their layouts depend on metadata only), they have not
+been split yet.
 """
 
 from __future__ import annotations
@@ -20,3 +27,5 @@ RULES: dict = {}
 for _module in (softmax, scans, select, reorder, norms):
     RULES.update(_module.RULES)
 FUNCTIONS: dict = dict(grad.FUNCTIONS)
+#: ``propagation.plan`` entries: softmax and sort plan apart from execution; the other dim ops plan inline.
+PROPAGATORS: dict = {**softmax.PROPAGATORS, **select.PROPAGATORS}

@@ -108,6 +108,13 @@ def on_whole_dims(x, dims, fn, *, keep_partial: bool = False):
     return results[0] if single else results
 
 
+def with_dtype(spec, dtype):
+    """``spec`` for a tensor of ``dtype`` (bytes moved follow the dtype)."""
+    if spec.tensor_meta.dtype == dtype:
+        return spec
+    return type(spec).from_sizes(spec.mesh, spec.placements, spec.global_shape, dtype, spec.dim_sizes)
+
+
 def move(local, src, dst) -> torch.Tensor:
     """``local`` (laid out as ``src``) in the layout of ``dst``; no-op when the layouts agree."""
     if src.placements == dst.placements and src.dim_sizes == dst.dim_sizes:

@@ -12,27 +12,58 @@
 Order among equal values (an unstable sort, ``topk`` ties) and the order of
 ``topk(sorted=False)`` are unspecified in torch and may differ from a
 single-process run; the selected values and a stable sort are exact.
+
+``sort`` plans apart from execution (:func:`propagate_sort`, memoised on the
+op, the input's spec and the arguments; ``propagation.plan`` serves it);
+``topk`` still plans while it runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...rule_kit import bind_args, normalize_dim, resolve_partial, wrap
-from ._common import gather_shards, mesh_dims_of, on_whole_dims, resized
+from functools import lru_cache
+
+from ..._redistribute import grad_layout
+from ...propagation import OpPlan, cached, freeze, redistribution_steps
+from ...rule_kit import bind_args, normalize_dim, resolve_partial, unshard_target, wrap
+from ._common import gather_shards, mesh_dims_of, move, resized, with_dtype
 
 aten = torch.ops.aten
 
 
+@lru_cache(maxsize=4096)
+def propagate_sort(func, args: tuple, kwargs: tuple):
+    """The pure half of ``sort`` (memoised; the input as its spec): ``(OpPlan, layout sorted in, local kwargs)``.
+
+    Along an unsharded dim the input is only resolved (pending reductions done)
+    and sorted where it is; along a sharded dim it is sorted in the layout of
+    ``unshard_target`` and values and indices come back to the input's.
+    """
+    b = bind_args(func, args, dict(kwargs))
+    spec = b.pop("self")
+    b["dim"] = normalize_dim(b["dim"], len(spec.global_shape))
+    out = grad_layout(spec)
+    inner = unshard_target(spec, (b["dim"],)) if mesh_dims_of(spec, b["dim"]) else out
+    out_indices = with_dtype(out, torch.int64)
+    steps = redistribution_steps(spec, inner, 0) if inner is not spec else ()
+    steps += redistribution_steps(inner, out) + redistribution_steps(with_dtype(inner, torch.int64), out_indices)
+    plan = OpPlan((out, out_indices), steps, (None if inner is spec else inner,))
+    return plan, inner, tuple(b.items())
+
+
 def _sort(func, args, kwargs):
-    b = bind_args(func, args, kwargs)
-    x = b.pop("self")
-    b["dim"] = normalize_dim(b["dim"], x.ndim)
-    if not mesh_dims_of(x._spec, b["dim"]):
-        local, spec = resolve_partial(x)
-        values, indices = func(local, **b)
-        return wrap(values, spec), wrap(indices, spec)
-    return on_whole_dims(x, [b["dim"]], lambda t: tuple(func(t, **b)))
+    x = bind_args(func, args, kwargs)["self"]
+    plan, inner, local_kwargs = cached(propagate_sort, func, freeze(args), tuple(sorted(kwargs.items())))
+    local = move(x._local_tensor, x._spec, inner)
+    values, indices = func(local, **dict(local_kwargs))
+    out_values, out_indices = plan.output_specs
+    return wrap(move(values, inner, out_values), out_values), wrap(move(indices, inner, out_indices), out_indices)
+
+
+def _propagate_entry(func, args, kwargs) -> OpPlan:
+    """``propagation.plan``'s entry for ``sort``."""
+    return cached(propagate_sort, func, freeze(args), tuple(sorted(kwargs.items())))[0]
 
 
 def _topk(func, args, kwargs):
@@ -61,3 +92,6 @@ RULES = {
     aten.sort.stable: _sort,
     aten.topk.default: _topk,
 }
+
+#: ``propagation.plan`` entries: ``sort`` plans apart from execution; ``topk`` still plans inline.
+PROPAGATORS: dict = {aten.sort.default: _propagate_entry, aten.sort.stable: _propagate_entry}

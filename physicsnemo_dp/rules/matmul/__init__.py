@@ -26,9 +26,10 @@ from functools import lru_cache, partial
 import torch
 
 from ..._torch_compat import torch_function_disabled
-from ...promotion import Promote
+from ...promotion import promote
+from ...propagation import OpPlan, moves
 from ...rule_kit import shard_tensor_cls
-from .contract import Contraction, Equation, contract, output_shape
+from .contract import Contraction, Equation, contract, output_shape, propagate
 from .einsum import parse_einsum
 
 aten = torch.ops.aten
@@ -113,7 +114,7 @@ def _replicated(t, mesh):
     """A plain tensor that reached a contraction (a 0-d one, never promoted) as a Replicate ShardTensor."""
     if isinstance(t, shard_tensor_cls()) or t is None:
         return t
-    return Promote.apply(t, mesh)
+    return promote(t, mesh)
 
 
 def _parse_product(op: _Product, args, kwargs):
@@ -127,14 +128,25 @@ def _parse_product(op: _Product, args, kwargs):
 
 def _run_product(op: _Product, args, kwargs, differentiable: bool):
     bias, a, b, beta, alpha = _parse_product(op, args, kwargs)
-    mesh = next(x for x in (a, b) if isinstance(x, shard_tensor_cls())).device_mesh
-    a, b, bias = (_replicated(t, mesh) for t in (a, b, bias))
-    eq = _product_equation(op, _shape(a), _shape(b))
+    mesh = (a if isinstance(a, shard_tensor_cls()) else b)._spec.mesh
+    a, b, bias = _replicated(a, mesh), _replicated(b, mesh), _replicated(bias, mesh)
+    eq = _product_equation(op, a._spec.global_shape, b._spec.global_shape)
     if bias is not None:
         _check_bias(op.name, _shape(bias), output_shape(eq, (_shape(a), _shape(b))))
     if differentiable:
-        return Contraction.apply(eq, alpha, beta, bias, a, b)
+        return _differentiable(eq, alpha, beta, bias, a, b)
     return contract(eq, (a, b), bias=bias, alpha=alpha, beta=beta)
+
+
+def _differentiable(eq, alpha, beta, bias, *operands):
+    """:class:`.contract.Contraction` under grad mode, else the bare contraction.
+
+    The autograd Function costs as much as a small kernel; under ``no_grad``
+    (inference) it would record nothing, so it is skipped.
+    """
+    if torch.is_grad_enabled():  # autograd itself records nothing when no input requires grad
+        return Contraction.apply(eq, alpha, beta, bias, *operands)
+    return contract(eq, operands, bias=bias, alpha=alpha, beta=beta)
 
 
 def _default(func, args, kwargs):
@@ -152,17 +164,21 @@ def _product_handler(op: _Product, func, types, args, kwargs):
 
 
 def _linear_handler(func, types, args, kwargs):
-    names = ("input", "weight", "bias")
-    bound = dict(zip(names, args), **kwargs)
-    if len(args) > 3 or set(bound) - set(names) or "weight" not in bound:
-        return _default(func, args, kwargs)
-    x, w, bias = bound["input"], bound["weight"], bound.get("bias")
-    mesh = next(t for t in (x, w, bias) if isinstance(t, shard_tensor_cls())).device_mesh
-    x, w, bias = (_replicated(t, mesh) for t in (x, w, bias))
-    eq = linear_equation(_shape(x), _shape(w))
+    if not kwargs and 2 <= len(args) <= 3:  # the usual positional call, without building a dict
+        x, w, bias = args[0], args[1], args[2] if len(args) == 3 else None
+    else:
+        names = ("input", "weight", "bias")
+        bound = dict(zip(names, args), **kwargs)
+        if len(args) > 3 or set(bound) - set(names) or "weight" not in bound:
+            return _default(func, args, kwargs)
+        x, w, bias = bound["input"], bound["weight"], bound.get("bias")
+    ShardTensor = shard_tensor_cls()
+    mesh = (x if isinstance(x, ShardTensor) else w if isinstance(w, ShardTensor) else bias)._spec.mesh
+    x, w, bias = _replicated(x, mesh), _replicated(w, mesh), _replicated(bias, mesh)
+    eq = linear_equation(x._spec.global_shape, w._spec.global_shape)
     if bias is not None:
         _check_bias("linear", _shape(bias), output_shape(eq, (_shape(x), _shape(w))))
-    return Contraction.apply(eq, 1, 1, bias, x, w)
+    return _differentiable(eq, 1, 1, bias, x, w)
 
 
 def _einsum_handler(func, types, args, kwargs):
@@ -174,7 +190,7 @@ def _einsum_handler(func, types, args, kwargs):
     mesh = next(t for t in operands if isinstance(t, shard_tensor_cls())).device_mesh
     operands = tuple(_replicated(t, mesh) for t in operands)
     eq = parse_einsum(args[0], tuple(len(_shape(t)) for t in operands))
-    return Contraction.apply(eq, 1, 1, None, *operands)
+    return _differentiable(eq, 1, 1, None, *operands)
 
 
 def _product_functions():
@@ -215,4 +231,78 @@ RULES: dict = {
     aten.addmm.default: partial(_product_rule, _ADDMM),
     aten.baddbmm.default: partial(_product_rule, _BADDBMM),
     aten.addmv.default: partial(_product_rule, _ADDMV),
+}
+
+
+# --------------------------------------------------------------------------- #
+# Propagation (what a call will do, from specs: ``propagation.plan``)
+# --------------------------------------------------------------------------- #
+@lru_cache(maxsize=1024)
+def _op_plan(eq: Equation, specs, bias_at, with_bias: bool) -> OpPlan:
+    """The :class:`~physicsnemo_dp.propagation.OpPlan` of a contraction (memoised; the same one :func:`contract` runs).
+
+    ``specs`` are the operands' specs in call order, the bias among them at
+    position ``bias_at`` (None: no bias); ``with_bias`` is False when the bias
+    is multiplied by ``beta == 0`` (then it is neither moved nor read).
+    """
+    bias_spec = None if bias_at is None else specs[bias_at]
+    operands = tuple(s for k, s in enumerate(specs) if k != bias_at)
+    prepared = propagate(eq, operands, bias_spec if with_bias else None, None, None, operands[0].tensor_meta.dtype)
+    targets = list(prepared.operands)
+    if bias_at is not None:
+        targets.insert(bias_at, prepared.bias if with_bias else None)
+    return OpPlan((prepared.out,), moves(specs, targets), tuple(targets))
+
+
+def _propagate_product(op: _Product, func, args, kwargs) -> OpPlan:
+    parsed = _parse_product(op, args, kwargs)
+    if parsed is None:
+        raise NotImplementedError(f"propagation.plan: unexpected arguments for {func}")
+    bias, a, b, beta, _ = parsed
+    eq = _product_equation(op, a.global_shape, b.global_shape)
+    if bias is None:
+        return _op_plan(eq, (a, b), None, False)
+    _check_bias(op.name, bias.global_shape, output_shape(eq, (a.global_shape, b.global_shape)))
+    return _op_plan(eq, (bias, a, b), 0, beta != 0)
+
+
+def _propagate_linear(func, args, kwargs) -> OpPlan:
+    bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+    x, w, bias = bound["input"], bound["weight"], bound.get("bias")
+    eq = linear_equation(x.global_shape, w.global_shape)
+    if bias is None:
+        return _op_plan(eq, (x, w), None, False)
+    _check_bias("linear", bias.global_shape, output_shape(eq, (x.global_shape, w.global_shape)))
+    return _op_plan(eq, (x, w, bias), 2, True)
+
+
+def _propagate_einsum(func, args, kwargs) -> OpPlan:
+    operands = tuple(args[1][0] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+    eq = parse_einsum(args[0], tuple(len(s.global_shape) for s in operands))
+    return _op_plan(eq, operands, None, False)
+
+
+def _product_propagators():
+    by_function = {
+        f: partial(_propagate_product, op)
+        for op, funcs in (
+            (_MATMUL, (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)),
+            (_MM, (torch.mm, aten.mm.default)),
+            (_BMM, (torch.bmm, aten.bmm.default)),
+            (_MV, (torch.mv, aten.mv.default)),
+            (_DOT, (torch.dot, aten.dot.default)),
+            (_ADDMM, (torch.addmm, aten.addmm.default)),
+            (_BADDBMM, (torch.baddbmm, aten.baddbmm.default)),
+            (_ADDMV, (torch.addmv, aten.addmv.default)),
+        )
+        for f in funcs
+    }
+    return by_function
+
+
+#: ``propagation.plan`` entries of this family (installed by the catalog through ``dispatch/table.py``).
+PROPAGATORS: dict = {
+    **_product_propagators(),
+    torch.nn.functional.linear: _propagate_linear,
+    torch.einsum: _propagate_einsum,
 }

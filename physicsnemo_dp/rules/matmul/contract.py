@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..._redistribute import grad_layout, redistribute_local
-from ..._torch_compat import Function
+from ..._torch_compat import SubclassFunction
 from ...rule_kit import grad_like, shard_tensor_cls, wrap
 from .labels import NO_FREE, label_extents, plan_contraction
 from .local import local_program
@@ -41,27 +41,89 @@ from .local import local_program
 
 @dataclass(frozen=True)
 class Equation:
-    """Labels of each operand and of the output (a bias, if any, takes a suffix of ``out``)."""
+    """Labels of each operand and of the output (a bias, if any, takes a suffix of ``out``).
+
+    Hashed once (it keys the memoised plans on every call).
+    """
 
     operands: tuple
     out: tuple
 
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = self.__dict__["_hash"] = hash((self.operands, self.out))
+            return h
+
 
 def contract(eq: Equation, operands, *, bias=None, alpha=1, beta=1, out_shape=None, prefer=None):
-    """``alpha * einsum(eq)(operands) + beta * bias`` on ShardTensors (not differentiable)."""
-    specs = [x._spec for x in operands]
+    """``alpha * einsum(eq)(operands) + beta * bias`` on ShardTensors (not differentiable).
+
+    Runs the plan of :func:`propagate` (looked up by the operands' specs):
+    redistributes what the plan moves, runs the local program, wraps the result.
+    """
+    with_bias = bias is not None and beta != 0
+    prepared = propagate(
+        eq,
+        tuple(x._spec for x in operands),
+        bias._spec if with_bias else None,
+        None if out_shape is None else tuple(out_shape),
+        prefer,
+        operands[0]._local_tensor.dtype,
+    )
+    locals_ = [
+        x._local_tensor if dst is None else redistribute_local(x._local_tensor, x._spec, dst)
+        for x, dst in zip(operands, prepared.operands)
+    ]
+    bias_local = None
+    if with_bias:
+        dst = prepared.bias
+        bias_local = bias._local_tensor if dst is None else redistribute_local(bias._local_tensor, bias._spec, dst)
+    out_spec = prepared.out
+    return wrap(prepared.program.run(locals_, out_spec, bias_local, alpha, beta), out_spec)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything a contraction decides from metadata: see :func:`propagate`."""
+
+    operands: tuple  # per operand: the spec it is moved to, or None when it already has it
+    bias: object  # the spec the bias is moved to (None: as it is, or no bias)
+    out: object  # the output spec
+    program: object  # the local program (:func:`.local.local_program`)
+
+
+@lru_cache(maxsize=2048)
+def propagate(eq: Equation, specs, bias_spec, out_shape, prefer, dtype) -> Prepared:
+    """The pure half of :func:`contract`: output spec, operand layouts and local program, memoised.
+
+    Keyed by the operands' specs (size tables included, so uneven layouts
+    are their own keys) and the call's metadata; no tensor enters. A step of
+    a model repeats the same few contractions, so after the first call a
+    contraction costs one cache lookup besides its kernel and the data it
+    must move: no O(P) work (size tables, offsets) on the hot path.
+    """
     shapes = tuple(s.global_shape for s in specs)
-    out_shape = output_shape(eq, shapes) if out_shape is None else tuple(out_shape)
+    out_shape = output_shape(eq, shapes) if out_shape is None else out_shape
     plan = plan_contraction(specs, eq.operands, eq.out, out_shape, prefer=prefer)
-    locals_ = [_local_in(x, layout) for x, layout in zip(operands, plan.operands)]
+    targets = tuple(_target(s, layout) for s, layout in zip(specs, plan.operands))
     placements, dim_sizes = plan.out
     # The kernels' dtype (they take operands of one dtype); wrap() re-types the spec if alpha or the bias promote it.
-    out_spec = type(specs[0]).from_sizes(specs[0].mesh, placements, out_shape, locals_[0].dtype, dim_sizes)
-    bias_local = None
-    if bias is not None and beta != 0:
-        bias_local = _bias_local(bias, placements, dim_sizes, len(out_shape))
-    program = local_program(eq, shapes, out_shape, None if bias_local is None else bias_local.ndim)
-    return wrap(program.run(locals_, out_spec, bias_local, alpha, beta), out_spec)
+    out_spec = type(specs[0]).from_sizes(specs[0].mesh, placements, out_shape, dtype, dim_sizes)
+    bias_target = None
+    if bias_spec is not None:
+        bias_target = _target(bias_spec, _bias_layout(bias_spec, placements, dim_sizes, len(out_shape)))
+    program = local_program(eq, shapes, out_shape, None if bias_spec is None else len(bias_spec.global_shape))
+    return Prepared(targets, bias_target, out_spec, program)
+
+
+def _target(spec, layout):
+    """The spec ``spec`` must be moved to for ``layout`` (placements, dim_sizes), or None if it has it."""
+    placements, dim_sizes = layout
+    if spec.placements == placements and spec.dim_sizes == dim_sizes:
+        return None
+    return spec.with_layout(placements, dim_sizes)
 
 
 @lru_cache(maxsize=1024)
@@ -71,16 +133,9 @@ def output_shape(eq: Equation, shapes) -> tuple[int, ...]:
     return tuple(ext[lab] for lab in eq.out)
 
 
-def _local_in(x, layout):
-    placements, dim_sizes = layout
-    if x._spec.placements == placements and x._spec.dim_sizes == dim_sizes:
-        return x._local_tensor
-    return redistribute_local(x._local_tensor, x._spec, x._spec.with_layout(placements, dim_sizes))
-
-
-def _bias_local(bias, out_placements, out_dim_sizes, out_ndim):
-    """The bias's local piece laid out like the output (right-aligned broadcasting)."""
-    bias_shape = bias._spec.global_shape
+def _bias_layout(bias_spec, out_placements, out_dim_sizes, out_ndim):
+    """The layout of the bias's local piece laid out like the output (right-aligned broadcasting)."""
+    bias_shape = bias_spec.global_shape
     offset = out_ndim - len(bias_shape)
     placements, dim_sizes = [], [None] * len(bias_shape)
     for p in out_placements:
@@ -92,7 +147,7 @@ def _bias_local(bias, out_placements, out_dim_sizes, out_ndim):
             placements.append(p)  # added on one rank of the group: the sum stays exact
         else:
             placements.append(Replicate())
-    return _local_in(bias, (tuple(placements), tuple(dim_sizes)))
+    return tuple(placements), tuple(dim_sizes)
 
 
 # --------------------------------------------------------------------------- #
@@ -118,7 +173,7 @@ def _grad_of(target_labels, target_spec, tensors, labels, scale):
     return grad_like(g, target_spec)
 
 
-class Contraction(Function):
+class Contraction(SubclassFunction):
     """Differentiable :func:`contract` over ShardTensors (``forward`` + ``setup_context`` style)."""
 
     @staticmethod
@@ -127,11 +182,10 @@ class Contraction(Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        eq, alpha, beta, bias, *operands = inputs
-        ctx.eq, ctx.alpha, ctx.beta = eq, alpha, beta
+        ctx.eq, ctx.alpha, ctx.beta, bias = inputs[:4]
         ctx.bias_spec = None if bias is None else bias._spec
         ctx.out_spec = output._spec
-        ctx.save_for_backward(*(_compact(x) for x in operands))
+        ctx.save_for_backward(*[_compact(x) for x in inputs[4:]])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -167,7 +221,7 @@ def _compact(x):
     as they are.
     """
     local = x._local_tensor
-    if local.untyped_storage().nbytes() <= 2 * local.numel() * local.element_size():
+    if local._base is None or local.untyped_storage().nbytes() <= 2 * local.numel() * local.element_size():
         return x
     return wrap(local.clone(memory_format=torch.contiguous_format), x._spec)
 

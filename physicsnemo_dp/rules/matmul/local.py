@@ -49,7 +49,7 @@ class _Product:
     """
 
     order: tuple  # operand indices (a, b)
-    perms: tuple  # per a, b: its dims in group order
+    perms: tuple  # per a, b: its dims in group order (None: already in it)
     n_batch: int
     n_left: int
     n_right: int
@@ -57,19 +57,29 @@ class _Product:
 
     def __call__(self, tensors, bias=None, alpha=1, beta=1):
         """The product (``beta * bias + alpha * product`` in one kernel when a bias is given)."""
-        a, b = (tensors[i].permute(p) for i, p in zip(self.order, self.perms))
+        (i, j), (p, q) = self.order, self.perms
+        a = tensors[i] if p is None else tensors[i].permute(p)
+        b = tensors[j] if q is None else tensors[j].permute(q)
         nb, nl = self.n_batch, self.n_left
-        batch, left, right = a.shape[:nb], a.shape[nb : nb + nl], b.shape[b.ndim - self.n_right :]
-        inner = prod(a.shape[nb + nl :])
-        lead = (prod(batch),) if nb else ()
-        a = a.reshape(*lead, prod(left), inner)
-        b = b.reshape(*lead, inner, prod(right))
+        grouped = self._grouped(a.ndim, b.ndim)
+        if not grouped:  # already (left, inner) @ (inner, right), or batched alike: no reshape
+            batch, left, right = a.shape[:nb], a.shape[nb : nb + nl], b.shape[b.ndim - self.n_right :]
+            inner = prod(a.shape[nb + nl :])
+            lead = (prod(batch),) if nb else ()
+            a = a.reshape(*lead, prod(left), inner)
+            b = b.reshape(*lead, inner, prod(right))
         if bias is None:
             result = torch.bmm(a, b) if nb else torch.mm(a, b)
         else:
             result = (torch.baddbmm if nb else torch.addmm)(bias, a, b, beta=beta, alpha=alpha)
-        result = result.reshape((*batch, *left, *right))
+        if not grouped:
+            result = result.reshape((*batch, *left, *right))
         return result if self.out_perm is None else result.permute(self.out_perm)
+
+    def _grouped(self, a_ndim: int, b_ndim: int) -> bool:
+        """Whether both operands already have the kernel's dims (each group one dim: mm or bmm as they are)."""
+        nb = self.n_batch
+        return nb <= 1 and self.n_left == 1 and self.n_right == 1 and a_ndim == nb + 2 and b_ndim == nb + 2
 
     def fuses(self, bias_ndim: int) -> bool:
         """Whether a bias of that many dims broadcasts against the kernel's result as against the output.
@@ -120,7 +130,7 @@ class LocalProgram:
 
     def run(self, locals_, out_spec, bias=None, alpha=1, beta=1):
         """``alpha * contraction + beta * bias`` on local tensors; ``out_spec`` gives expanded dims' extents."""
-        tensors = [t.squeeze(d) if d else t for t, d in zip(locals_, self.squeeze)]
+        tensors = [t.squeeze(d) if d else t for t, d in zip(locals_, self.squeeze)] if any(self.squeeze) else locals_
         if bias is not None and self.fuses_bias and _same_float_dtype(bias, *tensors):
             return self.kernel(tensors, bias, alpha, beta)
         result = self.kernel(tensors)
@@ -199,8 +209,8 @@ def _product(a_labs, b_labs, out):
     if a_free and b_free and out.index(b_free[0]) < out.index(a_free[0]):  # e.g. the gradient a^T @ g
         order, (a_labs, b_labs), (a_free, b_free) = (1, 0), (b_labs, a_labs), (b_free, a_free)
     perms = (
-        tuple(a_labs.index(lab) for lab in batch + a_free + contracted),
-        tuple(b_labs.index(lab) for lab in batch + contracted + b_free),
+        _perm(a_labs, batch + a_free + contracted),
+        _perm(b_labs, batch + contracted + b_free),
     )
     return _Product(order, perms, len(batch), len(a_free), len(b_free), _perm(batch + a_free + b_free, out))
 

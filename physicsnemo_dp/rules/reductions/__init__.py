@@ -26,9 +26,15 @@ the elementwise, view and reduction rules (the table counts those).
 
 ``rules`` holds the dispatch rules, ``functions`` the function-level handlers,
 ``_layout`` the shape arithmetic and ``_combine`` the communication.
+
+Planning is apart from execution (``_propagate``): a pure function of the
+op, the input's spec and the other arguments, memoised, gives the output specs
+and the forward collectives of the table above; the rules look it up and run
+it, and ``propagation.plan`` answers with it. The function-level handlers
+(autograd Functions) reach the same rules for their forward.
 """
 
 from .functions import FUNCTIONS
-from .rules import RULES
+from .rules import PROPAGATORS, RULES
 
-__all__ = ["FUNCTIONS", "RULES"]
+__all__ = ["FUNCTIONS", "PROPAGATORS", "RULES"]

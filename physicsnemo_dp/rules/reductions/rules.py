@@ -1,9 +1,12 @@
 """Dispatch rules of the reductions (below autograd), one per kind of combination.
 
-Every rule first runs the op on a meta tensor of the global shape: that
-raises torch's own error for bad arguments (out-of-range or repeated dims,
-``mean`` of an integer tensor, ...) identically on every rank, and gives the
-result's dtype for ranks that compute no local result. Reductions over dims
+Every rule first looks up the op's plan (``_propagate.propagate``, memoised
+on the op, the input's spec and the other arguments), which runs the op on a
+meta tensor of the global shape: that raises torch's own error for bad
+arguments (out-of-range or repeated dims, ``mean`` of an integer tensor, ...)
+identically on every rank, and gives the result's dtype for ranks that
+compute no local result. The rule then runs the plan: resolves the pending
+reductions it names, reduces locally, and combines over the plan's mesh dims. Reductions over dims
 that no mesh dim (of size > 1) shards run locally, keeping the sharding of the
 other dims. Over sharded dims:
 
@@ -29,25 +32,21 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from ..._redistribute import redistribute_local
 from ..._torch_compat import pytree
-from ...rule_kit import bind_args, meta_output, resolve_partial, wrap
+from ...rule_kit import bind_args, wrap
 from ._combine import NO_INDEX, all_reduce_sum, gather_combine, identity, pick
-from ._layout import Reduction, reduced_dims
+from ._propagate import plan_of, propagate_entry
 
 aten = torch.ops.aten
 
 
-def _prepare(func, args, kwargs, *, linear: bool = False, empty_means_all: bool = True):
-    """``(local, reduction, bound args, meta output)`` with pending reductions the op cannot keep done."""
-    meta = meta_output(func, args, kwargs)
-    b = bind_args(func, args, kwargs)
-    x = b["self"]
-    keep = ("sum", "avg") if linear else ()
-    pending = [m for m, p in enumerate(x._spec.placements) if isinstance(p, Partial) and p.reduce_op not in keep]
-    local, spec = resolve_partial(x, pending) if pending else (x._local_tensor, x._spec)
-    dims = reduced_dims(b.get("dim"), x.ndim, empty_means_all=empty_means_all)
-    red = Reduction(spec, dims, bool(b.get("keepdim") or False))
-    return local, red, b, meta
+def _prepare(func, args, kwargs):
+    """``(local, reduction, bound args, output dtype)`` from the memoised plan, pending reductions it resolves done."""
+    rp = plan_of(func, args, kwargs)
+    x = bind_args(func, args, kwargs)["self"]
+    local = x._local_tensor if rp.resolved is None else redistribute_local(x._local_tensor, x._spec, rp.resolved)
+    return local, rp.red, rp.bound, rp.out_dtypes[0]
 
 
 def _local(func, local, args, kwargs):
@@ -66,7 +65,7 @@ def _result(out, red, reduced=Replicate()):
 # --------------------------------------------------------------------------- #
 def _sum_like(func, args, kwargs):
     packet = func.overloadpacket
-    local, red, b, _ = _prepare(func, args, kwargs, linear=packet in (aten.sum, aten.mean))
+    local, red, b, _ = _prepare(func, args, kwargs)
     if packet is aten.mean and red.mesh_dims:
         out = aten.sum.dim_IntList(local, list(red.dims), red.keepdim, dtype=b.get("dtype")) / red.count
     else:
@@ -102,13 +101,13 @@ _COMBINED = {
 
 def _combined(func, args, kwargs):
     packet = func.overloadpacket
-    local, red, b, meta = _prepare(func, args, kwargs, empty_means_all=packet not in (aten.any, aten.all))
+    local, red, b, dtype = _prepare(func, args, kwargs)
     if not red.mesh_dims:
         return _result(_local(func, local, args, kwargs), red)
     op, combine = _COMBINED[packet](b)
     if red.locally_empty() and red.count:
-        shape = red.out_spec(meta.dtype).local_shape
-        out = torch.full(shape, identity(op, meta.dtype), dtype=meta.dtype, device=local.device)
+        shape = red.out_spec(dtype).local_shape
+        out = torch.full(shape, identity(op, dtype), dtype=dtype, device=local.device)
     else:
         out = _local(func, local, args, kwargs)
     return _result(gather_combine(out, red, combine), red)
@@ -216,3 +215,6 @@ RULES: dict = {
         for op in (aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
     },
 }
+
+#: ``propagation.plan`` entries: every reduction plans apart from execution (``_propagate``).
+PROPAGATORS: dict = dict.fromkeys(RULES, propagate_entry)

@@ -1,0 +1,100 @@
+"""Aggregation at destinations with a graph's ``dst`` index: local, no communication.
+
+Every edge lives at the owner of its destination, so ``index_add``,
+``scatter_add``, ``scatter_reduce`` (``sum``, ``prod``, ``mean``, ``amax``, ``amin``,
+with or without ``include_self``) and ``scatter`` see, on each rank, exactly the
+edges that land in its rows: the local op on local tensors *is* the global op.
+The index's values are never read; the graph's local destination rows are
+used in the index's (broadcast) shape.
+
+Layouts accepted (anything else goes to the generic indexing rules):
+
+* the written tensor ``out``: node layout of the graph (``Shard(0)`` with its
+  node sizes), or replicated / pending of ``N`` rows, e.g. ``msg.new_zeros(N, F)``
+  as torch_geometric writes it, which is narrowed to this rank's rows (no
+  communication) and, for in-place ops, relabelled to the node layout;
+* the messages ``src`` / ``source``: the graph's edge layout, or replicated ``E`` rows
+  (narrowed to this rank's edges);
+* mesh dims other than the graph's: replicated (or pending, resolved first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rule_kit import normalize_dim, resolve_partial, shard_tensor_cls, wrap
+from ._graph import GraphIndex, graph_of
+
+__all__ = ["aggregate"]
+
+
+def _other_dims_replicated(spec, graph) -> bool:
+    return all(p.is_replicate() or p.is_partial() for m, p in enumerate(spec.placements) if m != graph.mesh_dim)
+
+
+def _rows_of(local: torch.Tensor, spec, graph, node_rows: bool, name: str):
+    """This rank's rows of ``local`` (non-pending layout ``spec``) in the graph's node or edge layout.
+
+    A layout sharded over the graph's mesh dim must be the graph's own (else
+    ``PlacementError``); a replicated one is narrowed to this rank's box.
+    """
+    check = graph.check_nodes if node_rows else graph.check_edges
+    check(spec, name, allow_replicated=True)
+    if spec.placements[graph.mesh_dim].is_shard():
+        return local
+    if node_rows:
+        return local.narrow(0, graph.node_offset, graph.num_local_nodes)
+    return local.narrow(0, graph.edge_offset, graph.num_local_edges)
+
+
+def _node_local(x, graph, name: str):
+    local, spec = resolve_partial(x)
+    return _rows_of(local, spec, graph, True, name)
+
+
+def _edge_local(t, graph, name: str):
+    if not isinstance(t, shard_tensor_cls()):
+        return t if t.ndim == 0 else t.narrow(0, graph.edge_offset, graph.num_local_edges)
+    local, spec = resolve_partial(t)
+    return _rows_of(local, spec, graph, False, name)
+
+
+def eligible(x, dim: int, index, *others) -> GraphIndex | None:
+    """The graph of a ``dst`` index for an aggregation along dim 0 that the local path can serve, else None."""
+    gi = graph_of(index)
+    if gi is None or gi.role != "dst" or not isinstance(x, shard_tensor_cls()):
+        return None
+    if normalize_dim(dim, x.ndim) != 0:
+        return None
+    graph = gi.graph
+    for t in (x, *others):
+        if isinstance(t, shard_tensor_cls()) and not _other_dims_replicated(t._spec, graph):
+            return None
+    return gi
+
+
+def aggregate(gi: GraphIndex, kind: str, x, index, src, *, in_place: bool, **options):
+    """``x.<kind>(0, index, src, ...)`` with a ``dst`` index, on local tensors.
+
+    ``kind`` is ``index_add``, ``scatter_add``, ``scatter_reduce`` or ``scatter``
+    (``src`` a tensor or a number); ``options`` are the op's remaining arguments.
+    """
+    graph = gi.graph
+    out = _node_local(x, graph, "the aggregation target (self)")
+    if not in_place or out is not x._local_tensor:
+        out = out.clone()
+    msg = _edge_local(src, graph, "the messages (src)") if isinstance(src, torch.Tensor) else src
+    idx = graph.dst_local if kind == "index_add" else gi.local_dst(index._local_tensor)
+    if kind == "index_add":
+        out.index_add_(0, idx, msg, **options)
+    elif kind == "scatter_add":
+        out.scatter_add_(0, idx, msg)
+    elif kind == "scatter_reduce":
+        out.scatter_reduce_(0, idx, msg, **options)
+    else:
+        out.scatter_(0, idx, msg)
+    spec = graph.node_spec(tuple(x.shape), out.dtype)
+    if in_place:
+        x._local_tensor, x._spec = out, spec
+        return x
+    return wrap(out, spec)

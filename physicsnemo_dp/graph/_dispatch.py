@@ -1,0 +1,198 @@
+"""The graph op family: graph-aware reads and writes that run before the generic indexing rules.
+
+Installed by :mod:`physicsnemo_dp.catalog` after :mod:`physicsnemo_dp.rules.indexing`,
+so for the ops below these handlers win; each serves calls whose index is a
+graph's ``src``/``dst`` (:func:`._graph.graph_of`) and hands every other call to
+the generic indexing rule or function, unchanged.
+
+* Reads ``x[idx]``, ``index_select(x, 0, idx)``, ``gather(x, 0, idx)`` with
+  ``x`` in the graph's node layout: at the function level (above autograd)
+  through :class:`._rows.GraphRows`, whose backward stays O(local); at the
+  dispatch level (reads inside backward formulas, e.g. ``index_add``'s) without
+  autograd. ``x`` sharded over the graph's mesh dim in another layout raises
+  ``PlacementError``; a replicated ``x`` takes the generic path (already local).
+* Writes ``index_add``, ``scatter_add``, ``scatter_reduce``, ``scatter`` (in place
+  or not) with a ``dst`` index: local (:mod:`._aggregate`). ATen's backward
+  formulas of these ops are reads and writes with the same index, so their
+  gradients are local too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Shard
+
+from ..errors import PlacementError
+from ..rule_kit import bind_args, normalize_dim, shard_tensor_cls, wrap
+from ..rules import indexing
+from ._aggregate import aggregate, eligible
+from ._graph import GraphIndex, graph_of
+from ._rows import GraphRows, graph_rows
+
+__all__ = ["RULES", "FUNCTIONS"]
+
+aten = torch.ops.aten
+
+
+def _readable(x, index) -> GraphIndex | None:
+    """The graph of ``index`` if ``x`` is in its node layout; None for the generic path.
+
+    Raises ``PlacementError`` for an ``x`` on another mesh, or sharded over the
+    graph's mesh dim along dim 0 in another layout (a graph of another partition).
+    """
+    gi = graph_of(index)
+    if gi is None or not isinstance(x, shard_tensor_cls()) or x.ndim == 0:
+        return None
+    graph, spec = gi.graph, x._spec
+    p = spec.placements[graph.mesh_dim] if spec.mesh == graph.mesh else None
+    if p is None or p == Shard(0):
+        graph.check_nodes(spec, "x (the indexed tensor)")
+    elif not p.is_shard() or p.dim != 0:
+        return None
+    if any(not q.is_replicate() for m, q in enumerate(spec.placements) if m != graph.mesh_dim):
+        return None
+    return gi
+
+
+def _narrowed(rows, index_shape):
+    """``rows`` cut to ``index_shape`` along dims >= 1: ``gather``'s result when its index broadcasts rows."""
+    if tuple(index_shape[1:]) == tuple(rows.shape[1:]):
+        return rows
+    return rows[(slice(None),) + tuple(slice(0, k) for k in index_shape[1:])]
+
+
+def _gather_ok(x, dim, index) -> bool:
+    return isinstance(dim, int) and index.ndim == x.ndim and normalize_dim(dim, x.ndim) == 0
+
+
+def _single_index(index):
+    """The tensor of ``x[index]`` when it is one tensor (optionally followed by full slices), else None.
+
+    Raises ``PlacementError`` when the index mixes two graphs' index tensors.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    graphs = {id(g.graph) for g in map(graph_of, items) if g is not None}
+    if len(graphs) > 1:
+        raise PlacementError(
+            "x[...] mixes index tensors of two different graphs; index with one graph's src or dst"
+        )
+    if not items or not isinstance(items[0], torch.Tensor):
+        return None
+    if any(not (i is Ellipsis or (isinstance(i, slice) and i == slice(None))) for i in items[1:]):
+        return None
+    return items[0]
+
+
+# --------------------------------------------------------------------------- #
+# function level (above autograd)
+# --------------------------------------------------------------------------- #
+def _bound(func, args, kwargs, names):
+    values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    return values if len(values) == len(names) else None
+
+
+def _functions():
+    generic = indexing.FUNCTIONS
+
+    def getitem(func, types, args, kwargs):
+        x, index = args
+        t = _single_index(index)
+        gi = _readable(x, t) if t is not None else None
+        if gi is None:
+            return generic[func](func, types, args, kwargs)
+        return GraphRows.apply(x, gi)
+
+    def index_select(func, types, args, kwargs):
+        bound = _bound(func, args, kwargs, ("input", "dim", "index"))
+        gi = None
+        if bound is not None and isinstance(bound[1], int) and normalize_dim(bound[1], max(bound[0].ndim, 1)) == 0:
+            gi = _readable(bound[0], bound[2])
+        if gi is None or bound[2].ndim != 1:
+            return generic[func](func, types, args, kwargs)
+        return GraphRows.apply(bound[0], gi)
+
+    def gather(func, types, args, kwargs):
+        bound = _bound(func, args, {k: v for k, v in kwargs.items() if k != "sparse_grad"}, ("input", "dim", "index"))
+        gi = None
+        if bound is not None and _gather_ok(*bound) and not kwargs.get("sparse_grad", False):
+            gi = _readable(bound[0], bound[2])
+        if gi is None:
+            return generic[func](func, types, args, kwargs)
+        return _narrowed(GraphRows.apply(bound[0], gi), tuple(bound[2].shape))
+
+    table = {}
+    for funcs, handler in (
+        ((torch.Tensor.__getitem__,), getitem),
+        ((torch.index_select, torch.Tensor.index_select), index_select),
+        ((torch.gather, torch.Tensor.gather), gather),
+    ):
+        for f in funcs:
+            table[f] = handler
+    return table
+
+
+# --------------------------------------------------------------------------- #
+# dispatch level (below autograd)
+# --------------------------------------------------------------------------- #
+def _read_rule(op):
+    generic = indexing.RULES[op]
+
+    def rule(func, args, kwargs):
+        a = bind_args(func, args, kwargs)
+        x = a["self"]
+        if op == aten.index.Tensor:
+            idx = a["indices"]
+            gi = _readable(x, idx[0]) if len(idx) == 1 and idx[0] is not None else None
+        elif op == aten.index_select.default:
+            gi = _readable(x, a["index"]) if a["index"].ndim == 1 and normalize_dim(a["dim"], max(x.ndim, 1)) == 0 else None
+        else:
+            gi = _readable(x, a["index"]) if _gather_ok(x, a["dim"], a["index"]) and not a["sparse_grad"] else None
+        if gi is None:
+            return generic(func, args, kwargs)
+        rows = graph_rows(gi, x)
+        if op != aten.gather.default:
+            return rows
+        shape = tuple(a["index"].shape)
+        local = _narrowed(rows._local_tensor, (0, *a["index"]._local_tensor.shape[1:])).contiguous()
+        return wrap(local, gi.graph.edge_spec(shape, local.dtype))
+
+    return rule
+
+
+_WRITES = {
+    aten.index_add_.default: ("index_add", True),
+    aten.index_add.default: ("index_add", False),
+    aten.scatter_add_.default: ("scatter_add", True),
+    aten.scatter_add.default: ("scatter_add", False),
+    aten.scatter_reduce_.two: ("scatter_reduce", True),
+    aten.scatter_reduce.two: ("scatter_reduce", False),
+    aten.scatter_.src: ("scatter", True),
+    aten.scatter_.value: ("scatter", True),
+    aten.scatter.src: ("scatter", False),
+    aten.scatter.value: ("scatter", False),
+}
+
+
+def _write_rule(op):
+    generic = indexing.RULES[op]
+    kind, in_place = _WRITES[op]
+
+    def rule(func, args, kwargs):
+        a = bind_args(func, args, kwargs)
+        src = a.get("source", a.get("src", a.get("value")))
+        gi = eligible(a["self"], a["dim"], a["index"], src)
+        if gi is None or (kind == "index_add" and a["index"].ndim != 1):
+            return generic(func, args, kwargs)
+        options = {}
+        if kind == "index_add":
+            options["alpha"] = a["alpha"]
+        elif kind == "scatter_reduce":
+            options = {"reduce": a["reduce"], "include_self": a["include_self"]}
+        return aggregate(gi, kind, a["self"], a["index"], src, in_place=in_place, **options)
+
+    return rule
+
+
+RULES: dict = {op: _read_rule(op) for op in (aten.index.Tensor, aten.index_select.default, aten.gather.default)}
+RULES.update({op: _write_rule(op) for op in _WRITES})
+FUNCTIONS: dict = _functions()

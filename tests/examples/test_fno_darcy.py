@@ -66,6 +66,7 @@ def test_neuralop_model_trains(tmp_path):
     assert parallel["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.slow  # the torchrun path is covered by tests/distributed/test_example.py; pytest -m slow
 @pytest.mark.timeout(600)
 def test_torchrun_end_to_end(tmp_path):
     """The documented command on 4 ranks (2 x 2, DDP): progress, log, checkpoint, plots."""

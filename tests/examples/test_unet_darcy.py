@@ -50,6 +50,7 @@ def test_loss_decreases_and_matches_one_process(tmp_path):
         assert parallel["test_loss"] == pytest.approx(single["test_loss"], rel=1e-3), (layout, strategy)
 
 
+@pytest.mark.slow  # the torchrun path is covered by tests/distributed/test_example.py; pytest -m slow
 @pytest.mark.timeout(600)
 def test_torchrun_end_to_end(tmp_path):
     """The documented command: 4 ranks, progress, log, checkpoint, plots, the output folder named at the end."""

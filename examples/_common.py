@@ -735,5 +735,8 @@ def on_ranks(fn: Callable, nprocs: int = 4, show: str | None = None):
         if rank != 0:
             return None
     if show is not None:
-        print(show, result, flush=True)
+        # one write: under torchrun the ranks share stdout, and print(a, b) writes its pieces one by one,
+        # so another rank's line could land inside this one
+        sys.stdout.write(f"{show} {result}\n")
+        sys.stdout.flush()
     return result

@@ -15,9 +15,10 @@ Each world size measures, in the same run:
 * on one rank (P = 1): the out-of-core preparation at a budget of 1/4 of the
   prepared mesh's size.
 
-Peak memory is ``tracemalloc``'s peak during the call: numpy arrays and
-Python objects (meshio's parsing included), not the HDF5 library's own
-buffers nor the page cache. Files come from the page cache: the figures
+Peak memory is ``tracemalloc``'s peak during the call above its level at the
+call (:func:`benchmarks._memory.traced_peak`): numpy arrays and Python objects
+(meshio's parsing included), not the HDF5 library's own buffers nor the page
+cache. Tracing stays on once started, so this suite runs last. Files come from the page cache: the figures
 measure the software path, not the disk.
 """
 
@@ -27,13 +28,12 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
-import tracemalloc
 from pathlib import Path
 
 import h5py
 import torch.distributed as dist
 
+from ._memory import traced_peak
 from ._record import Result, over_ranks
 
 SUITE = "mesh_prepare"
@@ -41,18 +41,7 @@ SUITE = "mesh_prepare"
 
 def sizes(tiny: bool, scale: float) -> dict:
     # pieces small enough that the out-of-core budget (1/4 of the mesh) holds the largest one twice
-    return dict(points=8000 if tiny else int(200_000 * scale), pieces=16)
-
-
-def _measure(fn) -> tuple[float, int]:
-    """Seconds and traced peak bytes of ``fn()``."""
-    tracemalloc.start()
-    start = time.perf_counter()
-    try:
-        fn()
-        return time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    return dict(points=20_000 if tiny else int(200_000 * scale), pieces=16)
 
 
 def _mesh_bytes(path) -> int:
@@ -73,7 +62,7 @@ def run(mesh, compare_dtensor: bool = False, *, points: int, pieces: int = 16) -
     if rank == 0:
         directory = Path(tempfile.mkdtemp(prefix="mesh_prepare-"))
         source = write_obstacle_vtu(directory / "in.pvtu", points, pieces=pieces)
-        single = _measure(lambda: prepare_mesh(directory / "single.h5", source))
+        single = traced_peak(lambda: prepare_mesh(directory / "single.h5", source))
         shared = [(directory, source, single)]
     dist.broadcast_object_list(shared, src=0)
     directory, source, (single_s, single_peak) = shared[0]
@@ -81,7 +70,7 @@ def run(mesh, compare_dtensor: bool = False, *, points: int, pieces: int = 16) -
         n = f.attrs["num_points"]
     dist.barrier()
     if P > 1:
-        seconds, peak = _measure(lambda: prepare_mesh(directory / "dist.h5", source, group=dist.group.WORLD))
+        seconds, peak = traced_peak(lambda: prepare_mesh(directory / "dist.h5", source, group=dist.group.WORLD))
         seconds, peak = over_ranks(seconds, "max"), over_ranks(peak, "max")
     else:
         seconds, peak = single_s, single_peak
@@ -92,7 +81,7 @@ def run(mesh, compare_dtensor: bool = False, *, points: int, pieces: int = 16) -
     ]
     if P == 1:
         budget = _mesh_bytes(directory / "single.h5") // 4
-        ooc_s, ooc_peak = _measure(lambda: prepare_mesh(directory / "ooc.h5", source, max_memory=budget))
+        ooc_s, ooc_peak = traced_peak(lambda: prepare_mesh(directory / "ooc.h5", source, max_memory=budget))
         results += [
             Result(SUITE, "out of core (budget 1/4 mesh): peak vs in-memory", 1, ooc_peak, single_peak, "bytes"),
             # below a few MB the budget is dominated by fixed costs (parsers, HDF5 objects): no target there

@@ -37,7 +37,7 @@ def _rank_body(mesh, suites, scale: float, tiny: bool, compare_dtensor: bool):
     ``run(mesh, compare_dtensor=..., **sizes) -> list[Result]`` (identical on every rank)."""
     torch.set_num_threads(1)  # ranks share the cores; one thread each keeps them from fighting
     results, seconds = [], {}
-    for name in suites:
+    for name in sorted(suites, key=SUITES.index):  # in SUITES order: mesh_prepare leaves tracemalloc on, so last
         module = importlib.import_module(f"benchmarks.{name}")
         kwargs = module.sizes(tiny, scale)
         start = time.time()

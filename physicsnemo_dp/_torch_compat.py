@@ -393,6 +393,15 @@ def traced(tensor: torch.Tensor) -> bool:
     return is_fake(tensor) or torch._is_functional_tensor(tensor)
 
 
+def tracing(tensor: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing the call that handles ``tensor`` (Dynamo compiling, or a stand-in).
+
+    Eager-only communication (point to point has no graph representation)
+    takes its traceable path when this is True.
+    """
+    return traced(tensor) or torch.compiler.is_compiling()
+
+
 def real_tensors():
     """Context manager: torch ops in the block make real tensors, even while torch.compile traces.
 

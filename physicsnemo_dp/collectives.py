@@ -23,6 +23,9 @@ collective wrappers in :mod:`physicsnemo_dp._torch_compat`.
 
 Collectives are functional (``torch.distributed._functional_collectives``
 addressed by ``(mesh, mesh_dim)``) so they stay traceable by ``torch.compile``.
+The exceptions are point to point: :func:`send_recv` (ring schedules, eager
+only) and :func:`neighbour_exchange` (halos), which runs eagerly as point to
+point with its few peers and falls back to :func:`all_to_all_v` while traced.
 """
 
 from __future__ import annotations
@@ -131,6 +134,85 @@ def all_to_all_v(
     if mesh.size(mesh_dim) == 1:
         return chunks_in
     return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim)
+
+
+def neighbour_exchange(
+    chunks_in: torch.Tensor,
+    send_peers: Sequence[tuple[int, int]],
+    recv_peers: Sequence[tuple[int, int]],
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    kind: str = "neighbour_exchange",
+) -> torch.Tensor:
+    """:func:`all_to_all_v` with only the ranks that exchange rows: O(peers) per call, not O(group size).
+
+    ``send_peers`` and ``recv_peers`` list ``(group_rank, rows)`` in increasing
+    group rank, ``rows > 0``; ranks left out exchange nothing with this one.
+    ``chunks_in`` holds the rows for the send peers back to back in that
+    order; the result holds the rows from the receive peers back to back in
+    theirs (the order :func:`all_to_all_v` uses, which it equals). Every pair
+    of ranks must agree: ``(b, n)`` in ``a``'s send peers exactly when ``(a, n)``
+    is in ``b``'s receive peers. Rows to this rank itself are a local copy.
+
+    Bytes are recorded as :func:`all_to_all_v` records them (self excluded),
+    so counts do not depend on how the rows travel. That is:
+
+    * real tensors, eagerly: one ``batch_isend_irecv`` with the peers only
+      (a halo touching two neighbours costs two sends and two receives, and
+      no ``P``-long split list is built or checked);
+    * meta tensors (``debug.simulate``): the result's shape only;
+    * while torch.compile traces: :func:`all_to_all_v` with the dense split
+      lists, since point to point has no graph representation. A rank
+      running the compiled graph therefore pairs only with ranks running it
+      too, never with one running the same exchange eagerly.
+    """
+    group = mesh.size(mesh_dim)
+    me = mesh.get_local_rank(mesh_dim)
+    _check_peers("send_peers", send_peers, group)
+    _check_peers("recv_peers", recv_peers, group)
+    sending = sum(n for _, n in send_peers)
+    if chunks_in.ndim == 0 or chunks_in.shape[0] != sending:
+        raise ValueError(
+            f"chunks_in must hold the {sending} rows of send_peers along dim 0, got shape {tuple(chunks_in.shape)}"
+        )
+    to_me, from_me = dict(send_peers).get(me), dict(recv_peers).get(me)
+    if to_me != from_me:
+        raise ValueError(f"rank {me} sends itself {to_me} rows (send_peers) but receives {from_me} (recv_peers)")
+    if tc.tracing(chunks_in):
+        return all_to_all_v(chunks_in, _dense(send_peers, group), _dense(recv_peers, group), mesh, mesh_dim, kind)
+    row = _nbytes(_row_numel(chunks_in), chunks_in.dtype)
+    receiving = sum(n for _, n in recv_peers)
+    _record(kind, (sending - (to_me or 0)) * row, (receiving - (from_me or 0)) * row, mesh, mesh_dim)
+    received = chunks_in.new_empty((receiving, *chunks_in.shape[1:]))
+    if chunks_in.device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
+        return received
+    sends = dict(zip((r for r, _ in send_peers), chunks_in.contiguous().split([n for _, n in send_peers])))
+    recvs = dict(zip((r for r, _ in recv_peers), received.split([n for _, n in recv_peers])))
+    if to_me:
+        recvs.pop(me).copy_(sends.pop(me))
+    for work in _post(sends.items(), recvs.items(), mesh, mesh_dim, tag=0)[0]:  # waited for here: buffers live
+        work.wait()
+    return received
+
+
+def _check_peers(name: str, peers: Sequence[tuple[int, int]], group: int) -> None:
+    """Peers must be ``(group_rank, rows)`` with increasing ranks inside the group and ``rows > 0``."""
+    previous = -1
+    for peer in peers:
+        if len(peer) != 2 or not previous < peer[0] < group or peer[1] <= 0:
+            raise ValueError(
+                f"{name} must be (group_rank, rows) pairs with increasing ranks in [0, {group}) and rows > 0, "
+                f"got {tuple(peers)}"
+            )
+        previous = peer[0]
+
+
+def _dense(peers: Sequence[tuple[int, int]], group: int) -> list[int]:
+    """The ``group``-long split list of :func:`all_to_all_v` for a peer list."""
+    splits = [0] * group
+    for r, n in peers:
+        splits[r] = n
+    return splits
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -354,15 +436,24 @@ def send_recv(
     )
     if device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
         return Exchange(received, [], sent)
-    # gloo moves any dtype point to point (it sends bytes), other backends
-    # need a dtype they know (NCCL has no int16): every payload travels as a
-    # same-size view, a receive buffer's view filling the buffer itself.
-    sent = [tc.wire_view(t) for t in sent]
+    works, wires = _post([(to_rank, t) for t in sent], [(from_rank, t) for t in received], mesh, mesh_dim, tag)
+    return Exchange(received, works, wires)
+
+
+def _post(sends, recvs, mesh: DeviceMesh, mesh_dim: int, tag: int) -> tuple[list, list]:
+    """Post ``(group_rank, tensor)`` sends and receives as one ``batch_isend_irecv``.
+
+    Returns the work handles and the send buffers as they travel, which must
+    stay alive until the works are waited for.
+
+    Empty tensors are skipped on both sides (each side knows the shapes).
+    gloo moves any dtype point to point (it sends bytes), other backends need
+    a dtype they know (NCCL has no int16): every payload travels as a
+    same-size view, a receive buffer's view filling the buffer itself.
+    """
     group = mesh.get_group(mesh_dim)
-    ops = [torch.distributed.P2POp(torch.distributed.isend, t, group=group, group_peer=to_rank, tag=tag) for t in sent]
-    ops += [
-        torch.distributed.P2POp(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=from_rank, tag=tag)
-        for t in received
-        if t.numel()
-    ]
-    return Exchange(received, torch.distributed.batch_isend_irecv(ops) if ops else [], sent)
+    p2p = torch.distributed.P2POp
+    wires = [(r, tc.wire_view(t)) for r, t in sends if t.numel()]
+    ops = [p2p(torch.distributed.isend, t, group=group, group_peer=r, tag=tag) for r, t in wires]
+    ops += [p2p(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=r, tag=tag) for r, t in recvs if t.numel()]
+    return (torch.distributed.batch_isend_irecv(ops) if ops else []), [t for _, t in wires]

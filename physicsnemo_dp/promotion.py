@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
 from ._redistribute import redistribute_local
-from ._torch_compat import Function, dynamo_frame_hook_active, pytree, storage_key
+from ._torch_compat import Function, dynamo_frame_hook_active, eval_frame_callback, pytree, storage_key
 from .errors import PlacementError, PromotionError
 from .rule_kit import shard_tensor_cls
 from .spec import ShardTensorSpec
@@ -197,16 +197,20 @@ def promote(plain: torch.Tensor, mesh) -> "torch.Tensor":
     """
     if not (plain.requires_grad and torch.is_grad_enabled()):
         return Promote.forward(plain, mesh)
+    key = id(plain)
+    entry = _PROMOTED.get(key)
+    # A kept entry's tensor passed the checks below when it was kept (leaf, type and inference mode do not change).
+    if (
+        entry is not None and entry[0]() is plain and entry[3] is mesh and entry[1] == plain._version
+        and entry[2] == (storage_key(plain), plain.storage_offset()) and eval_frame_callback() is None
+    ):
+        return entry[4]
     if (
         not plain.is_leaf or type(plain) not in (torch.Tensor, torch.nn.Parameter)
         or plain.is_inference() or dynamo_frame_hook_active()
     ):
         return Promote.apply(plain, mesh)
-    key = id(plain)
     version, where = plain._version, (storage_key(plain), plain.storage_offset())
-    entry = _PROMOTED.get(key)
-    if entry is not None and entry[0]() is plain and entry[1] == version and entry[2] == where and entry[3] is mesh:
-        return entry[4]
     out = Promote.apply(plain, mesh)
     ref = weakref.ref(plain, lambda ref, key=key: _forget(key, ref))
     # Kept until the backward pass reaches the node: the next forward makes a
@@ -246,7 +250,12 @@ def _top_level(func, args, kwargs, ShardTensor):
         args and type(args[0]) is not ShardTensor and _writes_into_plain(func, args, ShardTensor)
     ):
         return None
-    args = tuple(_promoted(a, mesh, ShardTensor) for a in args)
+    # A list, not a generator, and the test of _promoted inlined: this runs on every op with a plain weight.
+    args = tuple([
+        promote(a, mesh) if type(a) is not ShardTensor and isinstance(a, torch.Tensor) and (a.ndim > 0 or a.requires_grad)
+        else a
+        for a in args
+    ])
     if kwargs:
         kwargs = {k: _promoted(a, mesh, ShardTensor) for k, a in kwargs.items()}
     return args, kwargs

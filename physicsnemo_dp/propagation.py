@@ -21,7 +21,11 @@ view ops (``view``/``reshape``/``permute``/``transpose``/``squeeze``/
 ``var``/``std`` and their ``_mean`` forms), among the dim ops softmax/
 ``log_softmax`` (with their backward) and ``sort``, and the contractions
 (``mm``/``bmm``/``addmm``/``baddbmm``/``mv``/``dot`` and ``torch.matmul``,
-``F.linear``, ``torch.einsum``). The spatial window ops plan their halos
+``F.linear``, ``torch.einsum``), and attention (``F.scaled_dot_product_attention``
+and the fused SDPA kernels' forward and backward ops: the canonical layout, the
+tile schedule and the ring's ``send_recv`` hops, uneven and causal shards
+included; the function's plan covers its forward, a fused backward op's plan
+its own steps). The spatial window ops plan their halos
 with the same kind of memoised pure planner (``spatial/_halo_plan.py``). The
 other families (indexing, the other dim ops, fft, ...) still plan inline while they
 run; indexing by masks or ``nonzero`` must, because its output layout depends

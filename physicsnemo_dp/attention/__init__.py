@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from . import fused
 from .function import ring_attention
-from .sdpa import scaled_dot_product_attention, sdpa_handler
+from .sdpa import propagate_entry, scaled_dot_product_attention, sdpa_handler
 from .zigzag import from_zigzag, to_zigzag, zigzag_causal, zigzag_order, zigzag_sizes
 
 __all__ = [
@@ -61,3 +61,6 @@ __all__ = [
 
 RULES: dict = dict(fused.RULES)
 FUNCTIONS: dict = {F.scaled_dot_product_attention: sdpa_handler}
+#: ``propagation.plan`` entries (installed by the catalog through ``dispatch/table.py``): the function and the
+#: fused kernels' forward and backward ops, planned by :mod:`._propagate`.
+PROPAGATORS: dict = {F.scaled_dot_product_attention: propagate_entry, **fused.PROPAGATORS}

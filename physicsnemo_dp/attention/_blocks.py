@@ -135,8 +135,12 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_t: torch.Tensor, lse_t:
 
 
 def _fused(q, v, mask) -> bool:
-    """Whether tiles can run on the fused CPU kernel (see the module doc)."""
-    return mask is None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+    """Whether tiles can run on the fused CPU kernel (see the module doc).
+
+    Meta tensors too: ``debug.simulate`` plays a CPU mesh on them and must take the CPU run's kernel (the
+    kernel and its backward have meta implementations), or it counts the math path's score tiles instead.
+    """
+    return mask is None and q.device.type in ("cpu", "meta") and q.shape[-1] == v.shape[-1]
 
 
 def _kernel_parts(tile: Tile) -> list[tuple[Tile, bool]]:

@@ -1,8 +1,8 @@
 """The autograd Function around the attention schedules, and the ring's compile-excluded entry.
 
 One Function serves the three layouts: its forward runs the layout's
-schedule on the grouped local tensors and saves the output and the
-log-sum-exp; its backward is the schedule's flash-style recomputation. Gradients
+schedule, as the call's :class:`~._propagate.AttentionPlan` lays it out, on
+the grouped local tensors and saves the output and the log-sum-exp; its backward is the schedule's flash-style recomputation. Gradients
 come back as ShardTensors in the layout's gradient specs (Partial where a rank
 holds only a share of the sum).
 """
@@ -13,8 +13,8 @@ import torch
 
 from .._torch_compat import Function, non_differentiable
 from ..rule_kit import wrap
-from ._common import Options, grouped, local_grad, ungrouped_grads
-from ._placement import AttentionLayout
+from ._common import grouped, local_grad, ungrouped_grads
+from ._propagate import AttentionPlan
 from .local import kv_sharded_backward, kv_sharded_forward, local_backward, local_forward
 from .ring import ring_backward, ring_forward
 
@@ -34,37 +34,37 @@ class SDPAFunction(Function):
     """``(q, k, v, mask)`` ShardTensors in the canonical layout -> ``(output, lse)``; lse is not differentiable."""
 
     @staticmethod
-    def forward(q, k, v, mask, layout: AttentionLayout, options: Options):
-        g = grouped(*_locals(q, k, v, mask), options)
-        out, lse = SCHEDULES[layout.kind][0](g, layout, options)
-        return wrap(g.output(out), layout.out), lse
+    def forward(q, k, v, mask, ap: AttentionPlan):
+        g = grouped(*_locals(q, k, v, mask), ap.options)
+        out, lse = SCHEDULES[ap.layout.kind][0](g, ap)
+        return wrap(g.output(out), ap.plan.output_specs[0]), lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, ctx.layout, ctx.options = inputs
+        q, k, v, mask, ctx.ap = inputs
         ctx.save_for_backward(q, k, v, mask, output[0], output[1])
         non_differentiable(ctx, output[1])
 
     @staticmethod
     def backward(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None
         q, k, v, mask, out, lse = ctx.saved_tensors
-        layout, options = ctx.layout, ctx.options
-        g = grouped(*_locals(q, k, v, mask), options)
-        dout = g.queries_like(local_grad(grad, layout.out))
-        dq, dk, dv = SCHEDULES[layout.kind][1](g, layout, options, dout, g.queries_like(out._local_tensor), lse)
-        return (*ungrouped_grads(g, dq, dk, dv, layout), None, None, None)
+        ap = ctx.ap
+        g = grouped(*_locals(q, k, v, mask), ap.options)
+        dout = g.queries_like(local_grad(grad, ap.layout.out))
+        dq, dk, dv = SCHEDULES[ap.layout.kind][1](g, ap, dout, g.queries_like(out._local_tensor), lse)
+        return (*ungrouped_grads(g, dq, dk, dv, ap.layout), None, None)
 
 
 @torch.compiler.disable
-def ring_attention(q, k, v, mask, layout: AttentionLayout, options: Options):
+def ring_attention(q, k, v, mask, ap: AttentionPlan):
     """Ring attention, run eagerly also inside a ``torch.compile``d model (a graph break here)."""
-    return SDPAFunction.apply(q, k, v, mask, layout, options)[0]
+    return SDPAFunction.apply(q, k, v, mask, ap)[0]
 
 
-def attention(q, k, v, mask, layout: AttentionLayout, options: Options):
-    """The attention output for canonical inputs; the ring goes through its compile-excluded entry."""
-    if layout.kind == "ring":
-        return ring_attention(q, k, v, mask, layout, options)
-    return SDPAFunction.apply(q, k, v, mask, layout, options)[0]
+def attention(q, k, v, mask, ap: AttentionPlan):
+    """The attention output for canonical inputs in the plan's layout; the ring goes through its compile-excluded entry."""
+    if ap.layout.kind == "ring":
+        return ring_attention(q, k, v, mask, ap)
+    return SDPAFunction.apply(q, k, v, mask, ap)[0]

@@ -48,19 +48,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .._redistribute import redistribute_local
+from .._redistribute import grad_layout, redistribute_local
+from ..propagation import OpPlan, cached, freeze, redistribution_steps
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
 from . import _heads
+from ._blocks import compute_dtype
 from ._common import grouped, local_grad, ungrouped_grads
+from ._propagate import propagate
 from .function import SCHEDULES
 from .sdpa import plan_call
+from .zigzag import zigzag_active
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,11 @@ def _canonical(tensors, specs):
 
 
 def _lse_spec(layout):
+    """The log-sum-exp rows ``(*B, H, L)``: split like the output's rows, in the computation dtype."""
     out = layout.out
     placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
-    return type(out).from_sizes(out.mesh, placements, out.global_shape[:-1], torch.float32, out.dim_sizes[:-1])
+    dtype = compute_dtype(layout.q.tensor_meta.dtype)
+    return type(out).from_sizes(out.mesh, placements, out.global_shape[:-1], dtype, out.dim_sizes[:-1])
 
 
 def _stored_spec(rows: ShardTensorSpec, fmt: _Lse) -> ShardTensorSpec:
@@ -156,12 +162,17 @@ def _load(lse, rows: ShardTensorSpec, fmt: _Lse) -> torch.Tensor:
     return local[..., : rows.local_shape[-1]]
 
 
+def _spec(t):
+    return None if t is None else t._spec
+
+
 def _plan(call: _Call, *extra):
-    """Layout, options and grouped local inputs of ``call``; ``extra`` tensors come back as ShardTensors."""
+    """The call's plan and grouped local inputs; ``extra`` tensors come back as ShardTensors."""
     q, k, v, mask, *extra = _shards([call.q, call.k, call.v, call.mask, *extra])
-    layout, options = plan_call(q, k, v, mask, call.dropout_p, call.is_causal, call.scale, enable_gqa=True)
-    g = grouped(*_canonical((q, k, v, mask), (layout.q, layout.k, layout.v, layout.mask)), options)
-    return g, layout, options, extra
+    ap = plan_call(_spec(q), _spec(k), _spec(v), _spec(mask), call.dropout_p, call.is_causal, call.scale, True)
+    layout = ap.layout
+    g = grouped(*_canonical((q, k, v, mask), (layout.q, layout.k, layout.v, layout.mask)), ap.options)
+    return g, ap, extra
 
 
 @dataclass(frozen=True)
@@ -176,20 +187,64 @@ class _Kernel:
 
 def _forward(kernel: _Kernel, func, args, kwargs):
     call = kernel.bind_forward(*args, **kwargs)
-    g, layout, options, _ = _plan(call)
-    out, lse = SCHEDULES[layout.kind][0](g, layout, options)
-    lse = _store(_heads.ungroup_rows(lse, g.ndim), _lse_spec(layout), call.lse)
-    return kernel.outputs(call, wrap(g.output(out), layout.out), lse)
+    g, ap, _ = _plan(call)
+    out, lse = SCHEDULES[ap.layout.kind][0](g, ap)
+    lse = _store(_heads.ungroup_rows(lse, g.ndim), _lse_spec(ap.layout), call.lse)
+    return kernel.outputs(call, wrap(g.output(out), ap.plan.output_specs[0]), lse)
 
 
 def _backward(kernel: _Kernel, func, args, kwargs):
     grad, call, out, lse = kernel.bind_backward(*args, **kwargs)
-    g, layout, options, (out, lse) = _plan(call, out, lse)
+    g, ap, (out, lse) = _plan(call, out, lse)
+    layout = ap.layout
     dout = g.queries_like(local_grad(grad, layout.out))
     out = g.queries_like(to_layout(out, layout.out))
-    lse = _heads.group_rows(_load(lse, _lse_spec(layout), call.lse), options.groups).to(g.q.dtype)
-    dq, dk, dv = SCHEDULES[layout.kind][1](g, layout, options, dout, out, lse)
+    lse = _heads.group_rows(_load(lse, _lse_spec(layout), call.lse), ap.options.groups).to(g.q.dtype)
+    dq, dk, dv = SCHEDULES[layout.kind][1](g, ap, dout, out, lse)
     return (*ungrouped_grads(g, dq, dk, dv, layout), None)[: kernel.grads]
+
+
+# ---------------------------------------------------------------- plans from specs (propagation.plan)
+
+
+def _operands(args, kwargs) -> list:
+    """The specs among an op's arguments, in call order (its tensor arguments, as ``CommStep.operand`` counts)."""
+    return [a for a in (*args, *(v for _, v in kwargs)) if isinstance(a, ShardTensorSpec)]
+
+
+@lru_cache(maxsize=512)
+def _fused_plan(kernel: _Kernel, backward: bool, args: tuple, kwargs: tuple, zigzag: bool) -> OpPlan:
+    """The plan of a fused kernel's forward or backward op on specs (memoised; ``zigzag``: zig-zag order active).
+
+    Forward: the output and the log-sum-exp as the kernel stores it (its other outputs are
+    plain), the inputs' moves to the canonical layout and the schedule's forward. Backward:
+    ``dq, dk, dv``, the inputs' moves, then the gradient, the saved output and log-sum-exp
+    brought to the layouts the schedule reads, then the schedule's backward.
+    """
+    bind = kernel.bind_backward if backward else kernel.bind_forward
+    bound = bind(*args, **dict(kwargs))
+    grad, call, out, lse = bound if backward else (None, bound, None, None)
+    ap = propagate(call.q, call.k, call.v, call.mask, call.dropout_p, call.is_causal, call.scale, True, zigzag)
+    layout = ap.layout
+    stored = _stored_spec(_lse_spec(layout), call.lse)
+    if not backward:
+        return OpPlan((layout.out, stored), ap.plan.steps, ap.plan.operand_specs)
+    # (tensor, layout the rule brings it to) in the order the rule moves them
+    inputs = zip((call.q, call.k, call.v, call.mask), ap.plan.operand_specs)
+    moved = [*inputs, (grad, grad_layout(layout.out)), (out, layout.out), (lse, stored)]
+    operands, taken, steps = _operands(args, kwargs), set(), ()
+    for src, dst in moved:
+        # the operand's position among the op's tensors (a spec object may recur: take the first not yet taken)
+        k = next((i for i, o in enumerate(operands) if o is src and i not in taken), None)
+        taken.add(k)
+        if dst is not None and (src.placements, src.dim_sizes) != (dst.placements, dst.dim_sizes):
+            steps += redistribution_steps(src, dst, k)
+    return OpPlan((layout.q_grad, layout.k_grad, layout.v_grad), steps + ap.backward)
+
+
+def _propagate_entry(kernel: _Kernel, backward: bool, func, args, kwargs) -> OpPlan:
+    """``propagation.plan``'s entry for a fused kernel's forward or backward op."""
+    return cached(_fused_plan, kernel, backward, freeze(args), tuple((k, freeze(v)) for k, v in kwargs.items()), zigzag_active())
 
 
 # ---------------------------------------------------------------- the kernels' argument orders and outputs
@@ -304,6 +359,9 @@ _KERNELS = {
 }  # fmt: skip
 
 RULES = {}
+PROPAGATORS = {}
 for (_fwd, _bwd), _kernel in _KERNELS.items():
     RULES[_fwd.default] = partial(_forward, _kernel)
     RULES[_bwd.default] = partial(_backward, _kernel)
+    PROPAGATORS[_fwd.default] = partial(_propagate_entry, _kernel, False)
+    PROPAGATORS[_bwd.default] = partial(_propagate_entry, _kernel, True)

@@ -14,9 +14,10 @@
   needs them. Backward needs one all-reduce of ``delta = rowsum(dout * out)``
   (``rows`` values); dq comes back Partial, dk/dv stay sharded.
 
-A schedule is ``forward(g, layout, options) -> (out, lse)`` and
-``backward(g, layout, options, dout, out, lse) -> (dq, dk, dv)`` on grouped
-local tensors (see :mod:`._common`).
+A schedule is ``forward(g, ap) -> (out, lse)`` and
+``backward(g, ap, dout, out, lse) -> (dq, dk, dv)`` on grouped local tensors
+(see :mod:`._common`), with the tiles and collectives the call's plan
+(:class:`~._propagate.AttentionPlan`) lays out.
 """
 
 from __future__ import annotations
@@ -24,47 +25,40 @@ from __future__ import annotations
 import torch
 
 from .. import collectives
-from ._blocks import _safe, attend, attend_backward, plan_tiles
-from ._common import Grouped, Options, group_rank, token_spans
-from ._placement import AttentionLayout
+from ._blocks import _safe, attend, attend_backward
+from ._common import Grouped
+from ._propagate import AttentionPlan
 
 
-def _tiles(layout: AttentionLayout, options: Options):
-    """Tiles and mask offsets of this rank's queries against its local keys."""
-    me = group_rank(layout)
-    q_spans, q_offset = token_spans(layout.q, layout, options, me)
-    k_spans, k_offset = token_spans(layout.k, layout, options, me)
-    rows0 = 0 if layout.mask_split == "rows" else q_offset
-    cols0 = 0 if layout.mask_split == "cols" else k_offset
-    return plan_tiles(q_spans, k_spans, options.causal), rows0, cols0
-
-
-def local_forward(g: Grouped, layout: AttentionLayout, options: Options):
+def local_forward(g: Grouped, ap: AttentionPlan):
     out, lse = g.accumulators()
-    tiles, rows0, cols0 = _tiles(layout, options)
-    attend(g.q, g.k, g.v, g.mask, rows0, cols0, tiles, options.scale, out, lse)
+    sched = ap.schedule
+    block = sched.blocks[0]
+    attend(g.q, g.k, g.v, g.mask, sched.rows0, block.cols0, block.tiles, ap.options.scale, out, lse)
     return out, lse
 
 
-def local_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, out, lse, reduce_delta=False):
+def local_backward(g: Grouped, ap: AttentionPlan, dout, out, lse, reduce_delta=False):
     delta = (dout * out).sum(-1)
     if reduce_delta:
-        delta = collectives.all_reduce(delta, "sum", layout.q.mesh, layout.seq_mesh_dim)
+        delta = collectives.all_reduce(delta, "sum", ap.layout.q.mesh, ap.layout.seq_mesh_dim)
     dq = torch.zeros_like(g.q)
-    tiles, rows0, cols0 = _tiles(layout, options)
+    sched = ap.schedule
+    block = sched.blocks[0]
     exact = None if reduce_delta else out  # a kv_sharded output is one rank's share: no fused backward
-    dk, dv = attend_backward(g.q, g.k, g.v, g.mask, rows0, cols0, tiles, options.scale, dout, lse, delta, dq, exact)
+    dk, dv = attend_backward(g.q, g.k, g.v, g.mask, sched.rows0, block.cols0, block.tiles, ap.options.scale, dout, lse,
+                             delta, dq, exact)  # fmt: skip
     return dq, dk, dv
 
 
-def kv_sharded_forward(g: Grouped, layout: AttentionLayout, options: Options):
+def kv_sharded_forward(g: Grouped, ap: AttentionPlan):
     """Attend to the local keys, then scale to this rank's exact share of the global result."""
-    out, lse = local_forward(g, layout, options)
-    mesh, m = layout.q.mesh, layout.seq_mesh_dim
+    out, lse = local_forward(g, ap)
+    mesh, m = ap.layout.q.mesh, ap.layout.seq_mesh_dim
     shift = _safe(collectives.all_reduce(lse, "max", mesh, m))
     total = shift + torch.log(collectives.all_reduce(torch.exp(lse - shift), "sum", mesh, m))
     return out.mul_(torch.exp(lse - _safe(total)).unsqueeze(-1)), total
 
 
-def kv_sharded_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, out, lse):
-    return local_backward(g, layout, options, dout, out, lse, reduce_delta=True)
+def kv_sharded_backward(g: Grouped, ap: AttentionPlan, dout, out, lse):
+    return local_backward(g, ap, dout, out, lse, reduce_delta=True)

@@ -45,7 +45,13 @@ run's (measured figures in ``benchmarks/README.md``):
   its network thread). So chunks are cut only while each still moves at
   least ``_MIN_CHUNK_BYTES``, and the forward, which holds only two blocks
   in flight, is not cut. The decision uses the largest block of any rank, so
-  all ranks agree.
+  all ranks agree; it is part of the call's plan (``_MAX_CHUNKS`` and
+  ``_MIN_CHUNK_BYTES`` live in :mod:`._propagate`).
+
+The schedule — which tiles of which block, block lengths, head chunks — is
+not derived here: :func:`._propagate.propagate` lays it out from the specs,
+together with the ``send_recv`` steps and bytes it implies, and this module
+runs it. So ``propagation.plan`` reports what the ring sends.
 
 The loop of point-to-point transfers has no graph representation, so the
 ring's entry (:func:`.function.ring_attention`) is excluded from
@@ -62,75 +68,35 @@ import math
 import torch
 
 from .. import _torch_compat, collectives
-from ..split import chunk_sizes, offsets_from_sizes
-from ._blocks import attend, attend_backward, plan_tiles
-from ._common import Grouped, Options, group_rank, token_spans
-from ._placement import AttentionLayout
+from ._blocks import attend, attend_backward
+from ._common import Grouped, Options
+from ._propagate import AttentionPlan
 
 _KV, _GRADS = 0, 1  # tags of the two exchanges that can be in flight at once
 
-#: Most head chunks a block is cut into in backward (see the module doc): with two,
-#: the blocks in flight are about half of a rank's own attention inputs and results.
-_MAX_CHUNKS = 2
-#: Least bytes of keys + values per chunk and hop. A message has a fixed cost (with
-#: gloo on a loaded 2-core machine, 0.4-1.7 ms of CPU in its threads): measured on
-#: the benchmark's transformer block at 1,024 tokens over 4 ranks (128 KiB blocks),
-#: cutting at 64 KiB brought the per-rank peak from 1.47x to 1.12x the ideal at
-#: the CPU work of the unpacked, uncut ring; 32 KiB chunks (4) cost 40 % more work.
-_MIN_CHUNK_BYTES = 1 << 16
-
 
 class _Ring:
-    """The static schedule of one call: who holds which block when, and each block's shape."""
+    """One call's ring on this rank: the plan's schedule (who holds which block when) and the transfers."""
 
-    def __init__(self, layout: AttentionLayout, options: Options):
-        self.mesh, self.dim = layout.q.mesh, layout.seq_mesh_dim
-        self.size = self.mesh.size(self.dim)
-        self.me = group_rank(layout)
-        q_spans, q_offset = token_spans(layout.q, layout, options, self.me)
-        self.rows0 = 0 if layout.mask_split == "rows" else q_offset
-        self.mask_travels = layout.mask_split == "cols"
-        self.tiles, self.cols0, self.k_len = [], [], []
-        for j in range(self.size):
-            k_spans, k_offset = token_spans(layout.k, layout, options, j)
-            self.tiles.append(plan_tiles(q_spans, k_spans, options.causal))
-            self.cols0.append(0 if self.mask_travels else k_offset)
-            self.k_len.append(sum(s.length for s in k_spans))
+    def __init__(self, ap: AttentionPlan):
+        self.mesh, self.dim = ap.layout.q.mesh, ap.layout.seq_mesh_dim
+        sched = ap.schedule
+        self.size, self.me, self.rows0, self.mask_travels = sched.size, sched.me, sched.rows0, sched.mask_travels
+        self.tiles = [b.tiles for b in sched.blocks]
+        self.cols0 = [b.cols0 for b in sched.blocks]
+        self.k_len = [b.k_len for b in sched.blocks]
+        self.chunks = sched.chunks
+        self.source = sched.source
         self.next, self.prev = (self.me + 1) % self.size, (self.me - 1) % self.size
-
-    def source(self, step: int) -> int:
-        """Owner of the block this rank holds at ``step``."""
-        return (self.me - step) % self.size
 
     def post(self, tensors, like, tag: int):
         """Send ``tensors`` on to the next rank; receive tensors shaped ``like`` from the previous one."""
         return collectives.send_recv(tensors, self.next, like, self.prev, self.mesh, self.dim, tag=tag)
 
-    def chunks(self, g: Grouped) -> list[tuple[int, int]]:
-        """``(start, length)`` of the head groups (dim -4 of the grouped tensors) whose backward runs one after the other."""
-        heads = g.q.shape[-4]
-        if heads == 1 or g.k.shape[-4] != heads or g.v.shape[-4] != heads:
-            return [(0, heads)]  # keys shared by all heads would travel once per chunk
-        if self.mask_travels and g.mask.shape[-4] != heads:
-            return [(0, heads)]  # so would a mask shared by all heads
-        block = max(self.k_len) * (_token_bytes(g.k) + _token_bytes(g.v))
-        return _head_groups(heads, min(_MAX_CHUNKS, block // _MIN_CHUNK_BYTES))
-
-
-def _token_bytes(t: torch.Tensor) -> int:
-    """Bytes per token of a grouped key/value tensor (the same on every rank: only the token dim differs)."""
-    return math.prod(t.shape[:-2]) * t.shape[-1] * t.element_size()
-
 
 def _head_slice(t, start: int, length: int, dim: int = -4):
     """Heads ``start:start+length`` of a grouped tensor (dim -4; -3 for per-row values), unless it broadcasts."""
     return t if t is None or t.shape[dim] == 1 else t.narrow(dim, start, length)
-
-
-def _head_groups(heads: int, parts: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of at most ``parts`` groups of ``heads`` heads, cut with the split rule."""
-    sizes = chunk_sizes(heads, max(1, min(heads, parts)))
-    return [(o, n) for o, n in zip(offsets_from_sizes(sizes), sizes) if n]
 
 
 class _Parcel:
@@ -199,9 +165,9 @@ def _chunk(g: Grouped, start: int, length: int) -> Grouped:
                                v=_head_slice(g.v, start, length), mask=_head_slice(g.mask, start, length))  # fmt: skip
 
 
-def ring_forward(g: Grouped, layout: AttentionLayout, options: Options):
+def ring_forward(g: Grouped, ap: AttentionPlan):
     _eager_only(g)
-    ring = _Ring(layout, options)
+    ring, options = _Ring(ap), ap.options
     out, lse = g.accumulators()
     parcel, held = _Parcel(g, ring), None
     for step in range(ring.size):
@@ -216,14 +182,14 @@ def ring_forward(g: Grouped, layout: AttentionLayout, options: Options):
     return out, lse
 
 
-def ring_backward(g: Grouped, layout: AttentionLayout, options: Options, dout, out, lse):
+def ring_backward(g: Grouped, ap: AttentionPlan, dout, out, lse):
     _eager_only(g)
-    ring = _Ring(layout, options)
+    ring, options = _Ring(ap), ap.options
     delta = (dout * out).sum(-1)
     dq = torch.zeros_like(g.q)
     dk = torch.zeros(g.k.shape, dtype=dq.dtype, device=dq.device)
     dv = torch.zeros(g.v.shape, dtype=dq.dtype, device=dq.device)
-    for start, length in ring.chunks(g):
+    for start, length in ring.chunks:
         rows = [_head_slice(t, start, length, d) for t, d in ((dout, -4), (out, -4), (lse, -3), (delta, -3), (dq, -4))]
         _backward_chunk(_chunk(g, start, length), ring, options, *rows, _head_slice(dk, start, length),
                         _head_slice(dv, start, length))  # fmt: skip

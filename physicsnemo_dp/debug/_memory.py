@@ -35,6 +35,7 @@ allocator's caches and other ranks' noise.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import sys
 import weakref
@@ -67,6 +68,21 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, int] = {}
         self._bytes: dict[int, int] = {}
         self._checks: set[int] = set()
+        self._paused = False
+
+    @contextlib.contextmanager
+    def _uncounted(self):
+        """Ops inside count nothing: for a tool's own stand-ins, which the measured code never makes.
+
+        :func:`~physicsnemo_dp.debug.simulate` asks torch which attention
+        kernel a CPU run would pick by showing it one-element CPU tensors;
+        they die at once, but counted they would add to the peak of the row.
+        """
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     def _release(self, key: int) -> None:
         self._refs[key] -= 1
@@ -93,6 +109,8 @@ class LiveBytes(TorchDispatchMode):
         if any(is_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # the subclass runs it; its local ops come back here
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if type(t) in _PLAIN]
         inputs = {storage_key(t) for t in leaves}
         outputs = pytree.tree_leaves(out)

@@ -22,7 +22,10 @@ largest (the one that sets the memory bill of an uneven split).
 boolean masks, ``unique``, data-dependent control flow raise
 :class:`DataDependentError` naming the op. Kernels' scratch memory is not
 seen (as in :class:`~physicsnemo_dp.debug.LiveBytes`). The mesh is a CPU
-mesh, so kernels are chosen as on CPU (SDPA: the fused CPU kernel).
+mesh, so kernels are chosen as on CPU (SDPA: the fused CPU kernel), and the
+few ops whose meta kernel allocates where the CPU kernel returns a tensor it
+was given (the functional collectives' wrappers, moves to the data's device)
+run the CPU way (:class:`_AsOnCpu`): the peak is the real run's.
 
 Why composites need help: ``nn.MultiheadAttention`` runs with subclasses'
 ``__torch_function__`` off, so its SDPA call reaches ``__torch_dispatch__``
@@ -54,6 +57,7 @@ from ..collectives import mesh_device
 from ..shard_tensor import ShardTensor
 from ..spec import ShardTensorSpec
 from ._explain import Explanation, Recorder, format_bytes
+from ._memory import LiveBytes
 
 __all__ = ["simulate", "Simulation", "sharded_input", "simulating", "DataDependentError"]
 
@@ -252,7 +256,7 @@ def simulate(
         setup_seconds = time.perf_counter() - start
         recorder = Recorder(meta=True)
         start = time.perf_counter()
-        with _world(mesh), _cpu_attention_kernels(), recorder, _NoData(recorder):
+        with _world(mesh), _cpu_attention_kernels(recorder.memory), recorder, _AsOnCpu(recorder):
             result = step()
         seconds = time.perf_counter() - start
         explanation = recorder.explanation(result)
@@ -343,7 +347,7 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 @contextlib.contextmanager
-def _cpu_attention_kernels():
+def _cpu_attention_kernels(memory: LiveBytes):
     """While simulating, composites' SDPA calls on meta ShardTensors take the kernel torch picks on CPU.
 
     ``F.multi_head_attention_forward`` looks ``scaled_dot_product_attention``
@@ -353,14 +357,18 @@ def _cpu_attention_kernels():
     module attribute is swapped for the duration of the simulated step and
     restored after. Calls with torch-function enabled (user code calling
     ``F.scaled_dot_product_attention`` directly) go to the original, hence to
-    the library's SDPA handler, as on a real mesh.
+    the library's SDPA handler, as on a real mesh. The CPU stand-ins that
+    torch's kernel choice reads are not counted in ``memory``: a real run
+    never makes them.
     """
     original = F.scaled_dot_product_attention
 
     def scaled_dot_product_attention(*args, **kwargs):
         q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
         if tc.subclass_torch_function_disabled() and isinstance(q, ShardTensor) and q._local_tensor.is_meta:
-            choice = tc.fused_sdp_choice(_proxy(q), _proxy(k), _proxy(v), _proxy(mask), dropout_p, is_causal, scale, gqa)
+            with memory._uncounted():
+                proxies = [_proxy(t) for t in (q, k, v, mask)]
+                choice = tc.fused_sdp_choice(*proxies, dropout_p, is_causal, scale, gqa)
             if choice == SDPBackend.FLASH_ATTENTION.value and not gqa:
                 return aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale
@@ -397,9 +405,47 @@ _DATA_DEPENDENT = frozenset(
 #: Indexing ops whose output size depends on the values of a boolean (or uint8) mask index.
 _INDEXING = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default})
 
+#: Ops whose meta kernel allocates where the device kernel (CPU and CUDA alike) does not, with what the device
+#: kernel returns. Every functional collective wraps its output with ``_wrap_tensor_autograd``, whose device
+#: kernel returns an ``AsyncCollectiveTensor`` around the output itself, and ``wait()`` on that
+#: (``wait_tensor``) hands the same output back; both meta kernels return ``torch.empty_like``, a second
+#: storage of the output's size. Counted with the meta kernels, every all-reduce of a gradient held twice its
+#: bytes: the transformer block's peak was 1.20x the measured one, and so were (1.14-1.17x) the U-Net ranks
+#: with 1-row shards, whose peak is in the backward's weight-gradient all-reduces, not in activations.
+_DEVICE_KERNELS: dict = {
+    torch.ops._c10d_functional._wrap_tensor_autograd.default: tc.funcol.AsyncCollectiveTensor,
+    torch.ops._c10d_functional.wait_tensor.default: lambda tensor: tensor,
+}
 
-class _NoData(tc.TorchDispatchMode):
-    """Refuses ops whose result depends on tensor values, naming the op and the row that ran it."""
+
+def _moves_to_the_mesh_device(func, args, kwargs) -> bool:
+    """Whether ``func`` is ``t.to(device)`` of a CPU tensor to a meta one, which a CPU run does not do at all.
+
+    Rules build small tables (halo indices, interpolation taps) on CPU and
+    move them next to the data (``tc.graph_constant``): on a CPU mesh that
+    ``to`` returns the table itself, on meta tensors it makes a meta copy,
+    which the simulation does not count and which keeps the table alive
+    (views of it keep it too: a view holds its base's Python object). Only
+    a move that keeps dtype and memory layout is the identity on CPU.
+    """
+    if func is not aten._to_copy.default or args[0].is_meta:
+        return False
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    layout = kwargs.get("memory_format")
+    return (device is not None and torch.device(device).type == "meta" and dtype in (None, args[0].dtype)
+            and layout in (None, torch.preserve_format))  # fmt: skip
+
+
+class _AsOnCpu(tc.TorchDispatchMode):
+    """Runs meta ops as a CPU run would, as far as memory goes, and refuses ops whose result depends on values.
+
+    Three jobs on the simulated step's plain (local) tensors: ops whose
+    device kernel does not allocate (:data:`_DEVICE_KERNELS`) run as on the
+    device, and a CPU tensor's move to meta (:func:`_moves_to_the_mesh_device`)
+    is not counted, so :class:`~physicsnemo_dp.debug.LiveBytes` sees the same
+    storages as in a real run; data-dependent ops raise
+    :class:`DataDependentError` naming the op and the row that ran it.
+    """
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
@@ -409,6 +455,13 @@ class _NoData(tc.TorchDispatchMode):
         if any(tc.is_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
+        if func in _DEVICE_KERNELS and args[0].is_meta:
+            return _DEVICE_KERNELS[func](*args)
+        if _moves_to_the_mesh_device(func, args, kwargs):
+            with self._recorder.memory._uncounted():  # the CPU table is counted where it was made
+                out = func(*args, **kwargs)
+            out._simulated_from = args[0]  # on CPU they are one tensor: the table lives while the copy (or a view) does
+            return out
         leaves = [t for t in tc.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(t.is_meta for t in leaves) and (
             func in _DATA_DEPENDENT or (func in _INDEXING and any(t.dtype in (torch.bool, torch.uint8) for t in leaves))

@@ -65,9 +65,13 @@ class DimPlan:
     """How this rank builds its window along one tensor dim.
 
     ``send_index`` (local rows, destinations in group order) with
-    ``send_splits``/``recv_splits`` (rows per group rank) drive one
-    ``all_to_all_v`` over ``mesh_dim``; ``exchange`` is False when no rank of
-    the group needs a foreign row (then no collective is issued at all).
+    ``send_peers``/``recv_peers`` (``(group rank, rows)`` of the few ranks
+    this one exchanges with, in group order) drive one neighbour exchange
+    over ``mesh_dim``: per call, work in the number of peers, not in the
+    group size. ``send_splits``/``recv_splits`` are the same as dense
+    group-long tables (for byte accounting and pictures, read at planning
+    time). ``exchange`` is False when no rank of the group needs a foreign
+    row (then no collective is issued at all).
     ``segments`` builds the window from ``[local rows | received rows]``:
     runs ``(window start, source start, length)`` of consecutive rows of one
     source (source ``-1``: the fill value), so the window is one
@@ -81,6 +85,8 @@ class DimPlan:
     send_index: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
+    send_peers: tuple[tuple[int, int], ...]
+    recv_peers: tuple[tuple[int, int], ...]
     segments: tuple[tuple[int, int, int], ...]
     exchange: bool
     fill: bool
@@ -88,8 +94,8 @@ class DimPlan:
 
     @functools.cached_property
     def received_rows(self) -> int:
-        """Rows this rank receives (kept: a sum over the P-long split table, asked on every call)."""
-        return sum(self.recv_splits)
+        """Rows this rank receives (kept: asked on every call)."""
+        return sum(n for _, n in self.recv_peers)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -111,7 +117,7 @@ def plan_dim(
     read its rows (its neighbours, and in the wrapping modes the ranks whose
     windows overhang the global boundary); the scan over the other ranks is
     integer arithmetic. So a plan for 4,096 ranks costs little more than one
-    for 4 (the split tables the collective takes stay P long).
+    for 4, and the exchange it drives involves the peers only.
     """
     extent = sum(sizes)
     starts = offsets_from_sizes(sizes)
@@ -147,6 +153,7 @@ def plan_dim(
     received = torch.unique(src[mine_foreign])
     owners = torch.searchsorted(torch.tensor(ends), received, right=True)
     recv_splits = tuple(torch.bincount(owners, minlength=len(sizes)).tolist())
+    peers, counts = torch.unique_consecutive(owners, return_counts=True)  # owners ascend with the rows
 
     local, n_recv = sizes[me], len(received)
     assembly = torch.where(
@@ -164,6 +171,8 @@ def plan_dim(
         send_index=torch.cat(present) if present else torch.zeros(0, dtype=torch.long),
         send_splits=tuple(0 if s is None else len(s) for s in sends),
         recv_splits=recv_splits,
+        send_peers=tuple((r, len(s)) for r, s in enumerate(sends) if s is not None and len(s)),
+        recv_peers=tuple(zip(peers.tolist(), counts.tolist())),
         segments=_segments(assembly.tolist(), local, n_recv),
         exchange=exchange,
         fill=fill,

@@ -13,8 +13,10 @@ rows. Facts it guarantees (see :mod:`._halo_plan` for the arithmetic):
   from whoever owns the rows it needs). Empty shards own nothing, so their
   neighbours skip them; an empty shard's own window is still the
   ``left + right`` rows around its (empty) position.
-* **Minimal traffic.** One ``all_to_all_v`` per haloed dim over the mesh dim
-  that shards it, non-zero splits only between ranks that share rows; the
+* **Minimal traffic.** One neighbour exchange per haloed dim over the mesh
+  dim that shards it (:func:`collectives.neighbour_exchange`: point to point
+  with only the ranks that share rows, so a call's cost does not grow with
+  the group size; an ``all_to_all_v`` while torch.compile traces); the
   bytes sent are exactly the distinct real rows needed (counted under the
   collective kind ``"halo"``). Padding (fill, replicated, reflected rows) is
   made by the receiver after the exchange, so it never travels. No
@@ -24,7 +26,7 @@ rows. Facts it guarantees (see :mod:`._halo_plan` for the arithmetic):
   each appending its received rows before the next, so corner rows arrive
   through the two messages (no diagonal neighbours needed).
 * **Backward** is the mirror: the gradient of every halo row goes back to its
-  owner (one ``all_to_all_v`` per dim, in reverse order) and is added to the
+  owner (one neighbour exchange per dim, in reverse order) and is added to the
   owner's gradient, together with the gradients of locally replicated or
   reflected rows.
 
@@ -159,7 +161,7 @@ def _last_exchanging(plans):
 def _exchange(local, p: DimPlan, mesh):
     d = p.dim
     send = local.index_select(d, graph_constant(p.send_index, like=local)).movedim(d, 0)
-    recv = collectives.all_to_all_v(send, p.send_splits, p.recv_splits, mesh, p.mesh_dim, kind=KIND)
+    recv = collectives.neighbour_exchange(send, p.send_peers, p.recv_peers, mesh, p.mesh_dim, kind=KIND)
     return recv.movedim(0, d)
 
 
@@ -231,7 +233,7 @@ def send_back(grad, rows, p: DimPlan, mesh, in_place: bool):
     ones, in the order they arrived.
     """
     d = p.dim
-    back = collectives.all_to_all_v(rows.movedim(d, 0).contiguous(), p.recv_splits, p.send_splits, mesh, p.mesh_dim, kind=KIND)
+    back = collectives.neighbour_exchange(rows.movedim(d, 0), p.recv_peers, p.send_peers, mesh, p.mesh_dim, kind=KIND)
     add = grad.index_add_ if in_place else grad.index_add
     return add(d, graph_constant(p.send_index, like=grad), back.movedim(0, d))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tracemalloc
 
 import h5py
 import numpy as np
@@ -143,36 +142,6 @@ def test_bad_input_fails_on_every_rank(ctx, tmp_path):
         prepare_mesh(tmp_path / "out.h5", tmp_path / "missing.vtu", group=dist.group.WORLD)
     dist.barrier()
     assert not (tmp_path / "out.h5").exists()
-
-
-def _peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
-@distributed(world_sizes=(4,), mesh_2d=False, timeout=180)
-def test_per_rank_peak_memory_at_four_ranks_is_at_most_035_of_one_process(ctx, tmp_path):
-    """tracemalloc peaks (numpy arrays and meshio's parsing): each rank reads 4 of 16 pieces."""
-    import meshio  # noqa: F401  (imported before measuring, on every rank)
-
-    from datapipes.synthetic import write_obstacle_vtu
-
-    single = [None]
-    if ctx.rank == 0:
-        source = write_obstacle_vtu(tmp_path / "in.pvtu", 40_000, pieces=16)
-        single = [_peak(lambda: prepare_mesh(tmp_path / "single.h5", source))]
-    dist.broadcast_object_list(single, src=0)
-    mine = _peak(lambda: prepare_mesh(tmp_path / "dist.h5", tmp_path / "in.pvtu", group=dist.group.WORLD))
-    peaks = [None] * 4
-    dist.all_gather_object(peaks, mine)
-    assert max(peaks) <= 0.35 * single[0], (peaks, single[0])
-    if ctx.rank == 0:
-        _assert_same(tmp_path / "single.h5", tmp_path / "dist.h5")
-    dist.barrier()
 
 
 @distributed

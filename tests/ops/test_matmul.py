@@ -230,3 +230,51 @@ def test_linear_with_sharded_features_gathers_the_weight_gradient_not_the_input(
     Xr, Wr = X.clone().requires_grad_(True), W.clone().requires_grad_(True)
     F.linear(Xr, Wr).backward(G)
     assert torch.allclose(x.grad.full_tensor(), Xr.grad) and torch.allclose(w.grad, Wr.grad)
+
+
+@distributed(world_sizes=(2, 3), mesh_2d=False)
+def test_an_operand_is_saved_only_for_the_other_operands_gradient(ctx):
+    """As torch's mm, a contraction keeps an operand for backward only if another operand needs a gradient:
+    activations times a frozen weight keep no activation, data without grad times a weight keep no weight."""
+    mesh = ctx.mesh
+    X, W, G = _g((9, 4), 1), _g((3, 4), 2), _g((9, 3), 3)
+    spec = make_spec(mesh, (Shard(0),), X.shape)
+    g = shard_from_global(G, make_spec(mesh, (Shard(0),), G.shape))
+    Xr, Wr = X.clone().requires_grad_(True), W.clone().requires_grad_(True)
+    F.linear(Xr, Wr).backward(G)
+
+    x = shard_from_global(X, spec, requires_grad=True)
+    y = F.linear(x, W)  # a frozen weight
+    saved = y.grad_fn.saved_tensors
+    assert saved[0] is None and torch.equal(saved[1].full_tensor(), W)
+    y.backward(g)
+    assert torch.allclose(x.grad.full_tensor(), Xr.grad)
+
+    w = torch.nn.Parameter(W.clone())
+    y = F.linear(shard_from_global(X, spec), w)  # data without grad
+    saved = y.grad_fn.saved_tensors
+    assert saved[1] is None and torch.equal(saved[0].full_tensor(), X)
+    with count_collectives() as bwd:
+        y.backward(g)
+    assert bwd.total_calls == 1 and set(bwd.calls) == {"all_reduce"}, bwd.summary()  # the weight's, once
+    assert type(w.grad) is torch.Tensor and torch.allclose(w.grad, Wr.grad)
+
+
+def test_local_kernels_are_the_plain_calls():
+    """``linear`` runs ``F.linear`` on the local pieces and a 2-D ``matmul`` runs ``mm``: the plain call's bits."""
+    from physicsnemo_dp.rules.matmul import linear_equation, matmul_equation
+    from physicsnemo_dp.rules.matmul.local import local_program
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=gen) for s in ((3, 7, 4), (5, 4), (5,)))
+    eq = linear_equation(tuple(x.shape), tuple(w.shape))
+    program = local_program(eq, (tuple(x.shape), tuple(w.shape)), (3, 7, 5), 1)
+    assert program.kernel.form == "linear"
+    assert torch.equal(program.run([x, w], None), F.linear(x, w))
+    assert torch.equal(program.run([x, w], None, b), F.linear(x, w, b))
+    assert torch.allclose(program.run([x, w], None, b, beta=0.5), F.linear(x, w) + 0.5 * b)  # scaled: the general path
+    a, m = torch.randn(7, 4, generator=gen), torch.randn(4, 5, generator=gen)
+    program = local_program(matmul_equation("matmul", (7, 4), (4, 5)), ((7, 4), (4, 5)), (7, 5))
+    assert program.kernel.form == "mm" and torch.equal(program.run([a, m], None), a @ m)
+    bmm = local_program(matmul_equation("matmul", (2, 7, 4), (2, 4, 5)), ((2, 7, 4), (2, 4, 5)), (2, 7, 5))
+    assert bmm.kernel.form == ""

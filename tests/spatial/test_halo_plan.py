@@ -34,6 +34,9 @@ def _simulate(sizes, windows, mode, value=0.0):
     sent = []
     for r, p in enumerate(plans):
         sent.append(locals_[r][p.send_index].split(list(p.send_splits)))
+        # the peer lists are the dense tables' non-zero entries, in group order, never this rank
+        assert p.send_peers == tuple((q, n) for q, n in enumerate(p.send_splits) if n) and p.send_splits[r] == 0
+        assert p.recv_peers == tuple((q, n) for q, n in enumerate(p.recv_splits) if n) and p.recv_splits[r] == 0
     out, volume = [], 0
     for j, p in enumerate(plans):
         received = torch.cat([sent[r][j] for r in range(len(sizes))])

@@ -29,15 +29,18 @@ from ..._torch_compat import torch_function_disabled
 from ...promotion import promote
 from ...propagation import OpPlan, moves
 from ...rule_kit import shard_tensor_cls
-from .contract import Contraction, Equation, contract, output_shape, propagate
+from .contract import Contraction, Equation, output_shape, prepare, propagate, run
 from .einsum import parse_einsum
 
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Product:
-    """A matmul-like op: required operand ndims (None: matmul's rules) and whether it adds a bias."""
+    """A matmul-like op: required operand ndims (None: matmul's rules) and whether it adds a bias.
+
+    Compared and hashed by identity (each is a module constant): it keys the memoised equations on every call.
+    """
 
     name: str
     ndims: tuple | None
@@ -97,7 +100,9 @@ def _check_bias(name, bias_shape, out_shape):
         raise RuntimeError(f"{name}: the added tensor of shape {tuple(bias_shape)} does not broadcast to {tuple(out_shape)}")
 
 
+@lru_cache(maxsize=1024)
 def _product_equation(op: _Product, a_shape, b_shape) -> Equation:
+    """Labels of ``op`` on operands of these global shapes (memoised on the op and int tuples)."""
     if op.ndims is not None and (len(a_shape), len(b_shape)) != op.ndims:
         raise RuntimeError(
             f"{op.name}: expected {op.ndims[0]}-D and {op.ndims[1]}-D tensors, got {len(a_shape)}-D and {len(b_shape)}-D"
@@ -135,7 +140,7 @@ def _run_product(op: _Product, args, kwargs, differentiable: bool):
         _check_bias(op.name, _shape(bias), output_shape(eq, (_shape(a), _shape(b))))
     if differentiable:
         return _differentiable(eq, alpha, beta, bias, a, b)
-    return contract(eq, (a, b), bias=bias, alpha=alpha, beta=beta)
+    return run(prepare(eq, (a, b), bias, beta), (a, b), bias, alpha, beta)
 
 
 def _differentiable(eq, alpha, beta, bias, *operands):
@@ -144,9 +149,10 @@ def _differentiable(eq, alpha, beta, bias, *operands):
     The autograd Function costs as much as a small kernel; under ``no_grad``
     (inference) it would record nothing, so it is skipped.
     """
+    prepared = prepare(eq, operands, bias, beta)
     if torch.is_grad_enabled():  # autograd itself records nothing when no input requires grad
-        return Contraction.apply(eq, alpha, beta, bias, *operands)
-    return contract(eq, operands, bias=bias, alpha=alpha, beta=beta)
+        return Contraction.apply(prepared, alpha, beta, bias, *operands)
+    return run(prepared, operands, bias, alpha, beta)
 
 
 def _default(func, args, kwargs):
@@ -158,6 +164,11 @@ def _default(func, args, kwargs):
 # Function-level handlers
 # --------------------------------------------------------------------------- #
 def _product_handler(op: _Product, func, types, args, kwargs):
+    if not kwargs and len(args) == 2 and not op.bias:  # ``x @ w``: no parsing, straight to the plan
+        a, b = args
+        ShardTensor = shard_tensor_cls()
+        if type(a) is ShardTensor and type(b) is ShardTensor:
+            return _differentiable(_product_equation(op, a._spec.global_shape, b._spec.global_shape), 1, 1, None, a, b)
     if _parse_product(op, args, kwargs) is None:
         return _default(func, args, kwargs)
     return _run_product(op, args, kwargs, differentiable=True)
@@ -173,8 +184,9 @@ def _linear_handler(func, types, args, kwargs):
             return _default(func, args, kwargs)
         x, w, bias = bound["input"], bound["weight"], bound.get("bias")
     ShardTensor = shard_tensor_cls()
-    mesh = (x if isinstance(x, ShardTensor) else w if isinstance(w, ShardTensor) else bias)._spec.mesh
-    x, w, bias = _replicated(x, mesh), _replicated(w, mesh), _replicated(bias, mesh)
+    if type(x) is not ShardTensor or type(w) is not ShardTensor or (bias is not None and type(bias) is not ShardTensor):
+        mesh = (x if isinstance(x, ShardTensor) else w if isinstance(w, ShardTensor) else bias)._spec.mesh
+        x, w, bias = _replicated(x, mesh), _replicated(w, mesh), _replicated(bias, mesh)
     eq = linear_equation(x._spec.global_shape, w._spec.global_shape)
     if bias is not None:
         _check_bias("linear", _shape(bias), output_shape(eq, (_shape(x), _shape(w))))

@@ -63,21 +63,58 @@ def contract(eq: Equation, operands, *, bias=None, alpha=1, beta=1, out_shape=No
     Runs the plan of :func:`propagate` (looked up by the operands' specs):
     redistributes what the plan moves, runs the local program, wraps the result.
     """
-    with_bias = bias is not None and beta != 0
-    prepared = propagate(
+    return run(prepare(eq, operands, bias, beta, out_shape, prefer), operands, bias, alpha, beta)
+
+
+def prepare(eq: Equation, operands, bias=None, beta=1, out_shape=None, prefer=None) -> Prepared:
+    """The memoised plan of :func:`propagate` for these ShardTensors (a bias times ``beta == 0`` is left out)."""
+    dtype = operands[0]._local_tensor.dtype
+    if len(operands) == 2 and bias is None and out_shape is None and prefer is None:
+        return _prepare_pair(eq, operands[0]._spec, operands[1]._spec, dtype)
+    return propagate(
         eq,
         tuple(x._spec for x in operands),
-        bias._spec if with_bias else None,
+        bias._spec if bias is not None and beta != 0 else None,
         None if out_shape is None else tuple(out_shape),
         prefer,
-        operands[0]._local_tensor.dtype,
+        dtype,
     )
-    locals_ = [
-        x._local_tensor if dst is None else redistribute_local(x._local_tensor, x._spec, dst)
-        for x, dst in zip(operands, prepared.operands)
-    ]
+
+
+#: (id(eq), id(a), id(b), dtype) -> (eq, a, b, plan) of two-operand contractions without a bias (``x @ w``,
+#: ``linear``): looked up by the identity of the memoised equation and specs, since hashing a spec or an
+#: equation is a Python call (~0.15 us each, five per lookup of :func:`propagate`). The entry keeps its keys'
+#: objects alive, so no other object can have their ids while it stands; an equal but distinct object misses.
+_PAIRS: dict = {}
+_PAIRS_SIZE = 4096
+
+
+def _prepare_pair(eq: Equation, a, b, dtype) -> Prepared:
+    key = (id(eq), id(a), id(b), dtype)
+    hit = _PAIRS.get(key)
+    if hit is not None:
+        return hit[3]
+    prepared = propagate(eq, (a, b), None, None, None, dtype)
+    if len(_PAIRS) >= _PAIRS_SIZE:
+        _PAIRS.clear()
+    _PAIRS[key] = (eq, a, b, prepared)
+    return prepared
+
+
+def run(prepared: Prepared, operands, bias=None, alpha=1, beta=1):
+    """Execute ``prepared`` (from :func:`prepare`) on ShardTensors: move, contract locally, wrap.
+
+    ``bias`` is read only if the plan has one (it has none when ``beta == 0``).
+    """
+    if prepared.moves:
+        locals_ = [
+            x._local_tensor if dst is None else redistribute_local(x._local_tensor, x._spec, dst)
+            for x, dst in zip(operands, prepared.operands)
+        ]
+    else:
+        locals_ = [x._local_tensor for x in operands]
     bias_local = None
-    if with_bias:
+    if prepared.with_bias:
         dst = prepared.bias
         bias_local = bias._local_tensor if dst is None else redistribute_local(bias._local_tensor, bias._spec, dst)
     out_spec = prepared.out
@@ -88,7 +125,11 @@ def contract(eq: Equation, operands, *, bias=None, alpha=1, beta=1, out_shape=No
 class Prepared:
     """Everything a contraction decides from metadata: see :func:`propagate`."""
 
+    eq: Equation  # what is contracted (the backward's gradients are planned from it)
+    specs: tuple  # the operands' specs (the layouts of their gradients)
     operands: tuple  # per operand: the spec it is moved to, or None when it already has it
+    moves: bool  # whether any operand is moved
+    with_bias: bool  # whether a bias is added
     bias: object  # the spec the bias is moved to (None: as it is, or no bias)
     out: object  # the output spec
     program: object  # the local program (:func:`.local.local_program`)
@@ -115,7 +156,8 @@ def propagate(eq: Equation, specs, bias_spec, out_shape, prefer, dtype) -> Prepa
     if bias_spec is not None:
         bias_target = _target(bias_spec, _bias_layout(bias_spec, placements, dim_sizes, len(out_shape)))
     program = local_program(eq, shapes, out_shape, None if bias_spec is None else len(bias_spec.global_shape))
-    return Prepared(targets, bias_target, out_spec, program)
+    moves = any(t is not None for t in targets)
+    return Prepared(eq, specs, targets, moves, bias_spec is not None, bias_target, out_spec, program)
 
 
 def _target(spec, layout):
@@ -174,18 +216,30 @@ def _grad_of(target_labels, target_spec, tensors, labels, scale):
 
 
 class Contraction(SubclassFunction):
-    """Differentiable :func:`contract` over ShardTensors (``forward`` + ``setup_context`` style)."""
+    """Differentiable :func:`run` of a plan from :func:`prepare` (``forward`` + ``setup_context`` style).
+
+    It takes the plan, not the equation: the caller needs the plan anyway (to
+    skip this Function under ``no_grad``), and looking it up twice would cost
+    a second cache lookup per call.
+    """
 
     @staticmethod
-    def forward(eq, alpha, beta, bias, *operands):
-        return contract(eq, operands, bias=bias, alpha=alpha, beta=beta)
+    def forward(prepared, alpha, beta, bias, *operands):
+        return run(prepared, operands, bias, alpha, beta)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.eq, ctx.alpha, ctx.beta, bias = inputs[:4]
+        ctx.prepared, ctx.alpha, ctx.beta, bias = inputs[:4]
         ctx.bias_spec = None if bias is None else bias._spec
         ctx.out_spec = output._spec
-        ctx.save_for_backward(*[_compact(x) for x in inputs[4:]])
+        # An operand is read only by the other operands' gradients (as torch's mm keeps ``mat1`` for ``mat2``'s):
+        # activations times a frozen weight keep nothing alive, a weight times data without grad is not saved.
+        needs = ctx.needs_input_grad
+        if len(inputs) == 6:  # two operands, spelled out: this runs on every x @ w (~0.5 us less)
+            ctx.save_for_backward(_compact(inputs[4]) if needs[5] else None, _compact(inputs[5]) if needs[4] else None)
+        else:
+            wanted = sum(needs[4:])
+            ctx.save_for_backward(*[_compact(x) if wanted > n else None for x, n in zip(inputs[4:], needs[4:])])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -193,16 +247,17 @@ class Contraction(SubclassFunction):
         ShardTensor = shard_tensor_cls()
         if not isinstance(grad, ShardTensor):
             grad = wrap(grad, grad_layout(ctx.out_spec))
-        eq, operands = ctx.eq, ctx.saved_tensors
+        prepared, operands = ctx.prepared, ctx.saved_tensors
+        eq = prepared.eq
         grads = []
-        for k, x in enumerate(operands):
+        for k, spec in enumerate(prepared.specs):
             if not ctx.needs_input_grad[4 + k]:
                 grads.append(None)
                 continue
             others = [(y, eq.operands[j]) for j, y in enumerate(operands) if j != k]
             tensors = [grad] + [_conj(y) for y, _ in others]
             labels = [eq.out] + [labs for _, labs in others]
-            grads.append(_grad_of(eq.operands[k], x._spec, tensors, labels, _conj_scalar(ctx.alpha)))
+            grads.append(_grad_of(eq.operands[k], spec, tensors, labels, _conj_scalar(ctx.alpha)))
         grad_bias = None
         if ctx.bias_spec is not None and ctx.needs_input_grad[3]:
             bias_labels = eq.out[len(eq.out) - len(ctx.bias_spec.global_shape) :]

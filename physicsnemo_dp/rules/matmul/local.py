@@ -14,7 +14,9 @@ views. So :func:`local_program` picks, once per equation and global shapes
   (views in the usual cases: a linear layer's leading dims, a weight's rows),
   then one ``mm``/``addmm`` or ``bmm``/``baddbmm``. That covers ``linear``,
   ``mm``, ``bmm``, ``matmul`` and their gradients (``grad_out @ W`` and
-  ``grad_out^T @ x`` over the flattened leading dims);
+  ``grad_out^T @ x`` over the flattened leading dims). Operands that already
+  are ``mm``'s, or ``linear``'s (any leading dims, the weight ``(m, k)``), go
+  to that plain call as they are: one Python call, the plain op's bits;
 * one operand is a ``sum`` over its summed dims (a bias gradient), then a
   permute;
 * anything else (three operands, a dim summed within one operand) stays an
@@ -33,6 +35,7 @@ from math import prod
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .labels import is_broadcast, label_extents, summed_labels
 
@@ -54,9 +57,18 @@ class _Product:
     n_left: int
     n_right: int
     out_perm: tuple | None  # from (batch, left, right) to the output order; None: already in it
+    #: "mm": (n, k) @ (k, m) as they are; "linear": ``F.linear(a, b)``, ``a`` (..., k) and ``b`` (m, k) as they
+    #: are (a layer's leading dims folded and the weight transposed inside ATen: 0.4 us less than the permute
+    #: here on 2-D inputs, 1.5 us on 3-D ones); "" for the general grouping. Only for unscaled products.
+    form: str = ""
 
     def __call__(self, tensors, bias=None, alpha=1, beta=1):
         """The product (``beta * bias + alpha * product`` in one kernel when a bias is given)."""
+        form = self.form
+        if form and alpha == 1 and beta == 1:
+            if form == "linear":
+                return F.linear(tensors[0], tensors[1], bias)
+            return torch.mm(tensors[0], tensors[1]) if bias is None else torch.addmm(bias, tensors[0], tensors[1])
         (i, j), (p, q) = self.order, self.perms
         a = tensors[i] if p is None else tensors[i].permute(p)
         b = tensors[j] if q is None else tensors[j].permute(q)
@@ -127,10 +139,11 @@ class LocalProgram:
     fuses_bias: bool  # whether the kernel adds the bias itself (addmm, baddbmm)
     missing: tuple  # output dims inserted after the kernel
     expand: bool  # whether an inserted dim has a label no operand has (expanded to the local shape)
+    squeezes: bool  # any(squeeze), read on every call
 
     def run(self, locals_, out_spec, bias=None, alpha=1, beta=1):
         """``alpha * contraction + beta * bias`` on local tensors; ``out_spec`` gives expanded dims' extents."""
-        tensors = [t.squeeze(d) if d else t for t, d in zip(locals_, self.squeeze)] if any(self.squeeze) else locals_
+        tensors = [t.squeeze(d) if d else t for t, d in zip(locals_, self.squeeze)] if self.squeezes else locals_
         if bias is not None and self.fuses_bias and _same_float_dtype(bias, *tensors):
             return self.kernel(tensors, bias, alpha, beta)
         result = self.kernel(tensors)
@@ -177,7 +190,7 @@ def local_program(eq, shapes, out_shape, bias_ndim=None) -> LocalProgram:
     missing = tuple(d for d, lab in enumerate(eq.out) if lab in summed or lab not in all_present)
     fuses_bias = bias_ndim is not None and not missing and isinstance(kernel, _Product) and kernel.fuses(bias_ndim)
     expand = any(eq.out[d] not in all_present for d in missing)
-    return LocalProgram(squeeze, kernel, fuses_bias, missing, expand)
+    return LocalProgram(squeeze, kernel, fuses_bias, missing, expand, any(squeeze))
 
 
 def _kernel(labels, out):
@@ -212,7 +225,14 @@ def _product(a_labs, b_labs, out):
         _perm(a_labs, batch + a_free + contracted),
         _perm(b_labs, batch + contracted + b_free),
     )
-    return _Product(order, perms, len(batch), len(a_free), len(b_free), _perm(batch + a_free + b_free, out))
+    out_perm = _perm(batch + a_free + b_free, out)
+    form = ""
+    if order == (0, 1) and not batch and len(b_free) == 1 and len(contracted) == 1 and out_perm is None:
+        if perms == (None, None) and len(a_free) == 1:
+            form = "mm"
+        elif perms[0] is None and perms[1] == (1, 0):
+            form = "linear"
+    return _Product(order, perms, len(batch), len(a_free), len(b_free), out_perm, form)
 
 
 def _perm(labels, out):

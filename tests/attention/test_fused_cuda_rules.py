@@ -100,7 +100,7 @@ class _Ops(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-@distributed(world_sizes=(1, 2, 3, 4), mesh_2d=False, timeout=300)
+@distributed(mesh_2d=False, timeout=300)
 def test_fused_kernel_rules(ctx, name):
     mesh = ctx.mesh
     _, _, takes_mask, backward_op = OPS[name]

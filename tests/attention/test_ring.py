@@ -8,7 +8,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from physicsnemo_dp import ShardTensorSpec, count_collectives
 from physicsnemo_dp._redistribute import grad_layout
 from physicsnemo_dp.attention import zigzag_causal
-from tests._harness import distributed
+from tests._harness import EVERY_WORLD_SIZE, distributed
 
 from ..core._util import make_spec, shard_from_global
 from ._memory import LiveBytes
@@ -114,7 +114,7 @@ def test_bfloat16(ctx):
                 assert (sharded.grad.full_tensor().float() - r.grad).abs().max() < 5e-2
 
 
-@distributed(world_sizes=(1, 2, 3, 4), mesh_2d=False, timeout=300)
+@distributed(world_sizes=EVERY_WORLD_SIZE, mesh_2d=False, timeout=300)
 def test_ring_memory_scales_with_local_size(ctx):
     """Peak live bytes of ring attention (forward + backward) per rank, for a fixed local length.
 

@@ -21,7 +21,7 @@ import physicsnemo_dp
 from physicsnemo_dp import ShardTensor
 from physicsnemo_dp.pipelines import HeunSampler, edm_loss
 from physicsnemo_dp.random import randn_like
-from tests._harness import distributed, run_job
+from tests._harness import EVERY_WORLD_SIZE, distributed, run_job
 
 from ._nets import SHAPE, denoiser, global_tensor, placements, shard
 
@@ -34,7 +34,7 @@ def _generator(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@distributed(timeout=120)
+@distributed(world_sizes=EVERY_WORLD_SIZE, timeout=120)
 def test_sample_matches_one_process(ctx, dtype):
     """Latents drawn sharded (O(local)), churn noise every step: the plain run's sample, bitwise-close."""
     net = denoiser(dtype)
@@ -84,7 +84,7 @@ def test_same_sample_for_every_world_size():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@distributed(timeout=120)
+@distributed(world_sizes=EVERY_WORLD_SIZE, timeout=120)
 def test_loss_and_gradients_match_one_process(ctx, dtype):
     """EDM loss with its own draws (log-normal sigma, sharded noise): value and weight gradients of one process."""
     sharded_net, plain_net = denoiser(dtype), denoiser(dtype)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests._harness import distributed
+from tests._harness import EVERY_WORLD_SIZE, distributed
 
 from ..core._util import shard_from_global
 from ..ops._diff import layouts
@@ -53,7 +53,7 @@ CASES = [
 ]
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_dropout_family_matches_the_reference_forward_and_backward(ctx):
     G = _g()
     w = _g(seed=1)
@@ -72,7 +72,7 @@ def test_dropout_family_matches_the_reference_forward_and_backward(ctx):
             assert torch.allclose(x.grad.full_tensor(), ref_x.grad, rtol=0, atol=1e-12), f"{label} grad {placements}"
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_eval_mode_and_p_zero_are_identity(ctx):
     G = _g()
     x = sharded(G, ctx.mesh, layouts(ctx.mesh, 4)[0])

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from physicsnemo_dp import ShardTensor
-from tests._harness import distributed
+from tests._harness import EVERY_WORLD_SIZE, distributed
 
 from ..ops._diff import layouts
 from ._ref import reference, reference_words, sharded
@@ -53,7 +53,7 @@ def _run(ctx, fn, placements, dtype, kind="uneven", salt=0):
     return out.full_tensor()
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_random_ops_equal_the_reference_on_every_layout(ctx):
     every = layouts(ctx.mesh, 3, partial=True)
     for label, fn, kind, params in OPS:
@@ -65,7 +65,7 @@ def test_random_ops_equal_the_reference_on_every_layout(ctx):
                 assert torch.equal(got, expected), f"{label} {placements} {split} {dtype}"
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_half_complex_and_integer_dtypes(ctx):
     for dtype in (torch.float16, torch.bfloat16):
         expected = reference("uniform", SHAPE, dtype, SEED, ctx.device)
@@ -86,7 +86,7 @@ def test_half_complex_and_integer_dtypes(ctx):
         assert torch.equal(ints, reference("integers", SHAPE, torch.int64, SEED, ctx.device, low=0, high=50))
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_generator_argument_and_tensor_parameters(ctx):
     probs = torch.rand(SHAPE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     mean, std = _global(torch.float64, 4), _global(torch.float64, 5).abs()
@@ -119,7 +119,7 @@ def test_generator_argument_and_tensor_parameters(ctx):
             assert torch.allclose(got, z * rb + ra, rtol=0, atol=1e-12), placements
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_bad_arguments_raise_torchs_error_on_every_rank(ctx):
     x = sharded(_global(torch.float32), ctx.mesh, layouts(ctx.mesh, 3)[0])
     before = torch.get_rng_state()
@@ -142,7 +142,7 @@ def test_bad_arguments_raise_torchs_error_on_every_rank(ctx):
         torch.bernoulli(sharded(probs, ctx.mesh, layouts(ctx.mesh, 3)[0]))
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_native_dropout_matches_formula_and_gradient(ctx):
     p = 0.3
     G = _global(torch.float64)
@@ -160,7 +160,7 @@ def test_native_dropout_matches_formula_and_gradient(ctx):
         assert torch.equal(out.full_tensor(), G) and bool(mask.full_tensor().all())
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_empty_shards_and_empty_tensors(ctx):
     mesh = ctx.mesh
     x = sharded(torch.zeros(1, 4), mesh, (Shard(0),) * mesh.ndim, kind="chunk")  # ranks past the first hold nothing

@@ -10,7 +10,7 @@ import physicsnemo_dp as pdp
 from physicsnemo_dp import PlacementError, ShardTensor, _philox, count_collectives
 from physicsnemo_dp.checkpoint import load_checkpoint, save_checkpoint
 from physicsnemo_dp.debug import checks
-from tests._harness import distributed
+from tests._harness import EVERY_WORLD_SIZE, distributed
 
 from ..ops._diff import layouts
 from ._ref import reference, sharded
@@ -29,7 +29,7 @@ def _same_on_every_rank(t: torch.Tensor) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_draws_advance_every_ranks_generator_alike(ctx):
     torch.manual_seed(5)
     for i, placements in enumerate(layouts(ctx.mesh, 2)):
@@ -49,7 +49,7 @@ def test_draws_advance_every_ranks_generator_alike(ctx):
     assert _same_on_every_rank(layer.weight.detach())
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_fork_rng_and_manual_seed_replay(ctx):
     x = _x(ctx, layouts(ctx.mesh, 2)[0])
     torch.manual_seed(1)
@@ -61,7 +61,7 @@ def test_fork_rng_and_manual_seed_replay(ctx):
     assert torch.equal(torch.randn_like(x).full_tensor(), outside)
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_checkpoint_resume_draws_the_same_numbers(ctx, tmp_path):
     x = _x(ctx, layouts(ctx.mesh, 2)[0])
     model = torch.nn.Linear(3, 2)
@@ -81,7 +81,7 @@ def _block(x):
     return F.dropout(x * 2.0, 0.4) * x
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_activation_checkpointing_replays_dropout(ctx):
     from torch.utils.checkpoint import checkpoint
 
@@ -101,7 +101,7 @@ def test_activation_checkpointing_replays_dropout(ctx):
         assert not torch.equal(grads[0], grads[2]), "the test must see a mask that is not replayed"
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_named_streams(ctx):
     x = _x(ctx, layouts(ctx.mesh, 2)[0])
     before = torch.get_rng_state()
@@ -124,7 +124,7 @@ def test_named_streams(ctx):
     assert torch.equal(torch.ones_like(x).bernoulli_(0.5, generator=ref.generator).full_tensor() / 0.5, m)
 
 
-@distributed
+@distributed(world_sizes=EVERY_WORLD_SIZE)
 def test_factories_build_shards_without_communication(ctx):
     shape = (7, 5)
     mesh = ctx.mesh

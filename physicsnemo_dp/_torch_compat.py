@@ -53,6 +53,18 @@ __all__ = [
     "fused_cpu_attention",
     "fused_cpu_attention_backward",
     "default_store",
+    "torch_function_state",
+    "torch_function_state_as",
+    "run_autograd_engine",
+    "tracing",
+    "fake_process_group",
+    "is_wrapper_subclass_type",
+    "storage_key",
+    "fused_sdp_choice",
+    "subclass_torch_function_disabled",
+    "dispatch_mode_active",
+    "SubclassFunction",
+    "collective_output_kernels",
 ]
 
 
@@ -626,3 +638,15 @@ class SubclassFunction(Function):
 #: ``torch.Tensor._make_wrapper_subclass`` itself (what :func:`make_wrapper_subclass` calls), for the
 #: constructor every op result goes through: one Python frame less per op.
 make_wrapper_subclass_raw = torch.Tensor._make_wrapper_subclass
+
+
+def collective_output_kernels() -> dict:
+    """``{op: what its device kernel returns}`` for the functional collectives' wrap and wait ops.
+
+    Their device kernels return the collective's output itself (wrapped in an
+    ``AsyncCollectiveTensor``, then unwrapped by ``wait_tensor``); their meta
+    kernels allocate a copy. ``debug.simulate`` runs these instead, so memory
+    on meta tensors is counted as on a device.
+    """
+    ops = torch.ops._c10d_functional
+    return {ops._wrap_tensor_autograd.default: funcol.AsyncCollectiveTensor, ops.wait_tensor.default: lambda t: t}

@@ -412,10 +412,7 @@ _INDEXING = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put
 #: storage of the output's size. Counted with the meta kernels, every all-reduce of a gradient held twice its
 #: bytes: the transformer block's peak was 1.20x the measured one, and so were (1.14-1.17x) the U-Net ranks
 #: with 1-row shards, whose peak is in the backward's weight-gradient all-reduces, not in activations.
-_DEVICE_KERNELS: dict = {
-    torch.ops._c10d_functional._wrap_tensor_autograd.default: tc.funcol.AsyncCollectiveTensor,
-    torch.ops._c10d_functional.wait_tensor.default: lambda tensor: tensor,
-}
+_DEVICE_KERNELS: dict = tc.collective_output_kernels()
 
 
 def _moves_to_the_mesh_device(func, args, kwargs) -> bool:

@@ -167,6 +167,7 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn
     channel.send(("started",))
     out, err = _Stream(channel, "stdout"), _Stream(channel, "stderr")
     sys.stdout, sys.stderr = out, err
+    joining = True
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         device_type = "cpu" if backend == "gloo" else "cuda"
@@ -182,9 +183,10 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn
             timeout=timedelta(seconds=timeout_s),
         )
         mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_names))
+        joining = False
         outcome = ("result", cloudpickle.dumps(_to_cpu(fn(mesh, *args, **kwargs))))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        outcome = ("error", traceback.format_exc(), _waiting_on_a_peer(exc))
+        outcome = ("error", traceback.format_exc(), _waiting_on_a_peer(exc), joining)
     out.flush()  # output first: the launcher may stop this rank as soon as it has the outcome
     err.flush()
     channel.send(outcome)
@@ -227,6 +229,10 @@ def launch(
         return_all: return the list of every rank's result instead of rank 0's.
         echo: print ranks' output (prefixed with ``[rank r]``) as it arrives.
 
+    If the ranks fail while forming their process group (before ``fn``
+    runs anywhere: say the rendezvous port was taken), they are started
+    once more on a new port.
+
     Raises:
         RankError: a rank raised or died; ``.rank`` is the rank that failed
             first, the message carries its traceback (or exit status) and the
@@ -248,6 +254,30 @@ def launch(
     backend = backend or _default_backend(nprocs)
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
 
+    for attempt in range(_JOIN_ATTEMPTS):
+        try:
+            return _run_once(nprocs, payload, backend, mesh_shape, mesh_dim_names, timeout, return_all, echo)
+        except _NotJoined as failed:
+            if attempt + 1 == _JOIN_ATTEMPTS:
+                raise failed.error from None
+
+
+#: Tries to form the process group. The rendezvous port is picked free, closed, then bound by rank 0's
+#: store; another process can take it in between, or a gloo connection of the full mesh can be refused
+#: ("Connection closed by peer" while joining, seen once on a loaded machine). Nothing of the caller's
+#: function has run then, so the ranks are started again on a new port.
+_JOIN_ATTEMPTS = 2
+
+
+class _NotJoined(Exception):
+    """Every failure happened while the ranks formed their process group: safe to start again."""
+
+    def __init__(self, error: RankError) -> None:
+        self.error = error
+
+
+def _run_once(nprocs, payload, backend, mesh_shape, mesh_dim_names, timeout, return_all, echo):
+    """Start the ranks once, on a fresh port; return :func:`_collect`'s result."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "physicsnemo_dp"])
     port = _free_port()
@@ -301,6 +331,7 @@ class _Failure(NamedTuple):
     seen: float  # time.monotonic() when the launcher saw the error or the exit
     detail: str  # the traceback, or how the process ended
     waiting: bool  # a collective broken by a peer's failure, not a cause
+    joining: bool = False  # raised while forming the process group, before the function ran
 
 
 def _collect(procs, conns, timeout, return_all, echo):
@@ -344,7 +375,7 @@ def _collect(procs, conns, timeout, return_all, echo):
             elif kind == "result":
                 results[r] = cloudpickle.loads(rest[0])
             else:
-                failures[r] = _Failure(time.monotonic(), rest[0], rest[1])
+                failures[r] = _Failure(time.monotonic(), *rest)
 
     while unaccounted():
         now = time.monotonic()
@@ -360,7 +391,10 @@ def _collect(procs, conns, timeout, return_all, echo):
         if failures:
             grace_end = min(grace_end, min(f.seen for f in failures.values()) + _GRACE_SECONDS)
     if failures:
-        raise _rank_error(failures, unaccounted(), timed_out=time.monotonic() >= deadline, timeout=timeout)
+        error = _rank_error(failures, unaccounted(), timed_out=time.monotonic() >= deadline, timeout=timeout)
+        if not results and all(f.joining for f in failures.values()):
+            raise _NotJoined(error)
+        raise error
     if unaccounted():
         raise TimeoutError(f"ranks {unaccounted()} did not finish within {timeout:.0f} s; all ranks were stopped")
     return [results[r] for r in range(nprocs)] if return_all else results[0]

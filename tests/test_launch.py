@@ -178,3 +178,38 @@ def test_demo_prints_match():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MATCH" in result.stdout
+
+
+def test_ranks_start_again_when_their_group_cannot_form(monkeypatch, capfd):
+    """The rendezvous port taken between picking and binding it: the ranks are started again on a new one."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # accepts connections and answers nothing: rank 0's store cannot bind, the others wait
+    ports = iter([taken.getsockname()[1]])
+    free_port = launch_module._free_port
+    monkeypatch.setattr(launch_module, "_free_port", lambda: next(ports, None) or free_port())
+    monkeypatch.setattr(launch_module, "_GRACE_SECONDS", 1.0)
+    try:
+        assert launch(_print_and_return, 2, args=(5,), timeout=120) == 5
+    finally:
+        taken.close()
+    assert next(ports, "used") == "used"
+
+
+def test_a_group_that_never_forms_is_reported_after_the_second_try(monkeypatch):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    tries = []
+    monkeypatch.setattr(launch_module, "_free_port", lambda: tries.append(1) or taken.getsockname()[1])
+    monkeypatch.setattr(launch_module, "_GRACE_SECONDS", 1.0)
+    try:
+        with pytest.raises(RankError, match="(?s)rank 0 failed.*init_process_group"):
+            launch(_print_and_return, 2, args=(5,), timeout=120, echo=False)
+    finally:
+        taken.close()
+    assert len(tries) == 2

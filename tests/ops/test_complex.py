@@ -22,7 +22,7 @@ from physicsnemo_dp import PlacementError, ShardTensor, count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 DTYPES = (torch.complex64, torch.complex128)
 SHAPE = (5, 7, 3)
@@ -65,7 +65,7 @@ UNARY = {
 }
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_unary_complex_ops(ctx):
     for dtype in DTYPES:
         for name, fn in UNARY.items():
@@ -73,7 +73,7 @@ def test_unary_complex_ops(ctx):
                 check(fn, [(_c(SHAPE, 1, dtype), placements)], ctx.mesh, label=f"{name} {dtype}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_complex_from_parts(ctx):
     """``torch.complex``, ``polar`` and ``view_as_complex`` (real in, complex out), mixed layouts and plain parts."""
     for dtype in (torch.float32, torch.float64):
@@ -88,7 +88,7 @@ def test_complex_from_parts(ctx):
                   label=f"view_as_complex {dtype}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_partial_sums_stay_pending_through_complex_views(ctx):
     """Conjugation, ``torch.complex`` of two pending parts and the real/complex views are linear: no reduction."""
     mesh = ctx.mesh
@@ -116,7 +116,7 @@ class _ComplexWeights(torch.nn.Module):
             self.register_parameter(name, torch.nn.Parameter(_c(shape, 10 + i, dtype)))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_contractions_with_complex_weights(ctx):
     """``x * w``, the FNO contraction ``einsum("bixy,ioxy->boxy")``, ``matmul``, ``F.linear``: input and parameter gradients."""
     mesh = ctx.mesh
@@ -143,7 +143,7 @@ def test_contractions_with_complex_weights(ctx):
                   label=f"bmm {dtype}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_real_loss_gradient_of_a_spectral_multiply(ctx):
     """``loss = (y.abs() ** 2).sum()`` and ``view_as_real(y).pow(2).sum()``: the gradients torch defines."""
     mesh = ctx.mesh
@@ -177,7 +177,7 @@ REDUCTIONS = {
 }
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_complex_reductions(ctx):
     for dtype in DTYPES:
         for name, fn in REDUCTIONS.items():
@@ -200,7 +200,7 @@ JOINS = {
 }
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_complex_joins_slices_and_pads(ctx):
     for dtype in DTYPES:
         for name, fn in JOINS.items():
@@ -219,7 +219,7 @@ def test_complex_spatial_pad(ctx, mode):
                   ctx.mesh, label=f"pad {mode} {dtype}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_complex_factories(ctx):
     """``zeros_like``/``new_zeros`` with complex dtypes keep the sharding, also for a size differing
     only along unsharded dims (a spectrum buffer of other channels / half the last dim)."""
@@ -255,7 +255,7 @@ def _assemble(x_ft, w1, w2, m1, m2):
     return out
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_spectrum_assembly_by_slice_assignment(ctx):
     """``out[..., :m1, :m2] = y`` and ``out[..., -m1:, :m2] = y2`` with ``out`` sharded on the sliced dim
     (uneven, empty shards, modes spanning and missing ranks), forward and gradients of input and weights."""
@@ -268,7 +268,7 @@ def test_spectrum_assembly_by_slice_assignment(ctx):
                       mesh, module=m, label=f"assemble m1={m1} m2={m2} {dtype}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_conjugate_bit_never_reaches_a_local_kernel(ctx):
     """Lazy conjugation/negation is resolved before any local kernel, collective or reinterpretation sees it.
 
@@ -298,7 +298,7 @@ def test_conjugate_bit_never_reaches_a_local_kernel(ctx):
                                                                          torch.view_as_real(ref))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_view_as_complex_of_a_sharded_last_dim_is_refused(ctx):
     """The (real, imaginary) pair must be whole on a rank: the same PlacementError on every rank, no hang."""
     mesh = ctx.mesh
@@ -311,7 +311,7 @@ def test_view_as_complex_of_a_sharded_last_dim_is_refused(ctx):
     assert torch.equal(torch.view_as_complex(y).full_tensor(), torch.view_as_complex(_r((4, 3, 2), 20)))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_complex_variance_along_a_sharded_dim(ctx):
     """``var``/``std``/``var_mean`` of complex data: the squared deviations are ``|dev|^2`` (a real result)."""
     for dtype in DTYPES:

@@ -8,7 +8,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import integer_tensor, make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 SHAPE = (7, 5, 3)
 
@@ -24,7 +24,7 @@ def _every_dim(ctx, fn, name, data=None, partial=False):
             check(lambda x: fn(x, d), [(_g() if data is None else data, placements)], ctx.mesh, label=f"{name} dim={d}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_softmax_and_log_softmax(ctx):
     _every_dim(ctx, lambda x, d: F.softmax(x, d), "softmax", partial=True)
     _every_dim(ctx, lambda x, d: torch.log_softmax(x, d), "log_softmax")
@@ -35,7 +35,7 @@ def test_softmax_and_log_softmax(ctx):
         check(lambda x: x.softmax(0, dtype=torch.float64), [(_g().float(), placements)], ctx.mesh, label="softmax dtype")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_cumsum_cumprod_logcumsumexp(ctx):
     _every_dim(ctx, lambda x, d: torch.cumsum(x, d), "cumsum", partial=True)
     _every_dim(ctx, lambda x, d: torch.cumprod(x, d), "cumprod")
@@ -48,7 +48,7 @@ def test_cumsum_cumprod_logcumsumexp(ctx):
         check(lambda x: x.cumsum(0), [(ints, placements)], ctx.mesh, grad=False, label="int cumsum")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_cummax_cummin_with_ties_and_nan(ctx):
     ties = integer_tensor(SHAPE, 6) / 4  # many equal values: the later index must win
     _every_dim(ctx, lambda x, d: torch.cummax(x, d), "cummax", data=ties)
@@ -60,7 +60,7 @@ def test_cummax_cummin_with_ties_and_nan(ctx):
             check(lambda x: x.cummax(d), [(with_nan, placements)], ctx.mesh, grad=False, label=f"cummax nan {d}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_sort_and_argsort(ctx):
     _every_dim(ctx, lambda x, d: torch.sort(x, d), "sort")
     _every_dim(ctx, lambda x, d: x.sort(dim=d, descending=True), "sort desc")
@@ -70,7 +70,7 @@ def test_sort_and_argsort(ctx):
         check(lambda x: torch.argsort(x, 1), [(_g(), placements)], ctx.mesh, grad=False, label="argsort")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_topk(ctx):
     for k in (1, 3):
         _every_dim(ctx, lambda x, d: torch.topk(x, k, d), f"topk k={k}")
@@ -80,14 +80,14 @@ def test_topk(ctx):
         check(lambda x: x.topk(7, 0).values, [(_g(), placements)], ctx.mesh, label="k = n")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_topk_bad_k_raises_on_every_rank(ctx):
     x = shard_from_global(_g(), make_spec(ctx.mesh, layouts(ctx.mesh, 3)[0], SHAPE))
     with pytest.raises(RuntimeError, match="out of range"):
         x.topk(8, 0)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_flip_and_roll(ctx):
     for dims in ((0,), (1,), (0, 2), (-1, 0, 1)):
         for placements in layouts(ctx.mesh, 3, partial=True):
@@ -106,7 +106,7 @@ class _AtenLayerNorm(torch.nn.LayerNorm):
         return torch.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_layer_norm(ctx):
     torch.manual_seed(0)
     for normalized in ((3,), (5, 3)):
@@ -124,7 +124,7 @@ def test_layer_norm(ctx):
         check(lambda x, w, b: torch.layer_norm(x, (3,), w, b, 1e-3), [(_g(), placements), (w, None), (b, None)], ctx.mesh, label="weight grads")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_what_moves(ctx):
     """Unsharded dims communicate nothing; sharded ones move only reduced-size data."""
     mesh = ctx.mesh
@@ -154,7 +154,7 @@ def test_what_moves(ctx):
         assert c.calls == {"all_to_all": 1}, c.summary()  # each element moves once
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_rms_norm_through_its_decomposition(ctx):
     """F.rms_norm does not reach the dispatcher as one op: it runs as pow/mean/rsqrt/mul."""
     torch.manual_seed(0)

@@ -23,6 +23,8 @@ from physicsnemo_dp.dispatch import registry
 from physicsnemo_dp.dispatch.torch_function import set_patches_enabled
 from tests._harness import distributed
 
+from ._diff import OP_WORLD_SIZES
+
 from ..core._util import make_spec, shard_from_global
 
 SHAPE = (7, 5, 3)
@@ -45,7 +47,7 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # registries
 # --------------------------------------------------------------------------- #
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_dispatch_handler_wins_over_library_rule_and_is_removable(ctx):
     x = _sharded(ctx.mesh)
     calls = []
@@ -78,7 +80,7 @@ def _constant(value):
     return handler
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_override_restores_a_previous_handler_and_none_removes_one(ctx):
     x = _sharded(ctx.mesh)
 
@@ -95,7 +97,7 @@ def test_override_restores_a_previous_handler_and_none_removes_one(ctx):
     assert aten.cos.default not in registry.dispatch_handlers
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_function_handler_sees_promoted_plain_arguments(ctx):
     mesh = ctx.mesh
     x = _sharded(mesh)
@@ -119,7 +121,7 @@ def test_function_handler_sees_promoted_plain_arguments(ctx):
     assert torch.allclose(torch.mul(x, w).full_tensor(), _g() * w)  # gone again
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_patches_enabled_controls_function_handlers(ctx):
     x = _sharded(ctx.mesh)
     assert ShardTensor.patches_enabled()  # on as soon as a ShardTensor exists
@@ -135,7 +137,7 @@ def test_patches_enabled_controls_function_handlers(ctx):
         assert torch.tanh(x) == "handled"
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_named_function_handler_for_a_custom_op(ctx):
     x = _sharded(ctx.mesh)
     assert torch.equal(_twice(_g()), _g() * 2)  # plain tensors: the op's own kernel
@@ -188,7 +190,7 @@ def test_promotion_mode_setters_and_context_manager():
         set_promotion_mode("silent")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_disabled_mode_refuses_plain_tensors_but_not_scalars(ctx):
     x = _sharded(ctx.mesh)
     w = _g((3,), 1)
@@ -204,7 +206,7 @@ def test_disabled_mode_refuses_plain_tensors_but_not_scalars(ctx):
     assert torch.allclose((x * w).full_tensor(), _g() * w)  # silent again outside
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_warn_mode_warns_once_per_promotion(ctx):
     x = _sharded(ctx.mesh)
     w, b = _g((3,), 1), _g((5, 3), 2)
@@ -221,7 +223,7 @@ def test_warn_mode_warns_once_per_promotion(ctx):
     assert not [c for c in caught if "promoting" in str(c.message)]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_promoted_parameter_gets_the_single_process_gradient_as_a_plain_tensor(ctx):
     mesh = ctx.mesh
     w = torch.nn.Parameter(_g((3,), 1))
@@ -252,7 +254,7 @@ def _other_mesh(ctx):
     return ctx.mesh, DeviceMesh("cpu", list(range(ctx.world_size)), mesh_dim_names=("other",))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_shard_tensors_on_different_meshes_do_not_mix(ctx):
     a_mesh, b_mesh = _other_mesh(ctx)
     a = shard_from_global(_g(), make_spec(a_mesh, (Shard(0),), SHAPE))
@@ -265,7 +267,7 @@ def test_shard_tensors_on_different_meshes_do_not_mix(ctx):
         torch.cat([a, b])
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_dtensor_arguments_are_converted(ctx):
     mesh = ctx.mesh
     x = _sharded(mesh, requires_grad=True)
@@ -331,7 +333,7 @@ def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_sync_broadcasts_plain_state_over_a_1d_mesh(ctx):
     mesh = ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh["domain"]
     group_size = mesh.size()
@@ -349,7 +351,7 @@ def test_sync_broadcasts_plain_state_over_a_1d_mesh(ctx):
     sync_module_over_mesh(model, mesh)  # idempotent, default source 0
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_sync_skips_distributed_state(ctx):
     mesh = ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh["domain"]
     model = _model(ctx.rank)
@@ -362,7 +364,7 @@ def test_sync_skips_distributed_state(ctx):
     assert torch.equal(model.lin.weight, _model(int(mesh.mesh[0])).lin.weight)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_sync_errors(ctx):
     domain = ctx.mesh if ctx.mesh.ndim == 1 else ctx.mesh["domain"]
     model = _model(0)

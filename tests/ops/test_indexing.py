@@ -12,7 +12,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 SHAPE = (7, 5, 3)
 
@@ -35,7 +35,7 @@ def _index_layouts(mesh, ndim=1):
 IDX = torch.tensor([6, 0, 2, 2, 5, 1, 6])  # duplicates, first and last rows
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_index_select_along_every_dim(ctx):
     mesh = ctx.mesh
     for dim, size in enumerate(SHAPE):
@@ -49,7 +49,7 @@ def test_index_select_along_every_dim(ctx):
             check(lambda x, i: x.index_select(dim, i), [(_g(), None), (idx, pi)], mesh, label="plain x")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_reads_of_pending_integer_and_bool_data(ctx):
     mesh = ctx.mesh
     i = IDX
@@ -68,7 +68,7 @@ def test_reads_of_pending_integer_and_bool_data(ctx):
                 check(fn, [(_g() > 0, px)], mesh, label=f"{name} bool")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_index_select_placements_and_no_forward_communication(ctx):
     mesh = ctx.mesh
     spec = make_spec(mesh, (Shard(0),) * mesh.ndim, SHAPE)
@@ -94,7 +94,7 @@ def test_index_select_placements_and_no_forward_communication(ctx):
     assert z.placements == (Shard(1),) * mesh.ndim and z._spec.dim_sizes[1] == ispec.dim_sizes[0]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_gather_along_sharded_and_unsharded_dims(ctx):
     mesh = ctx.mesh
     cases = [(0, (6, 4, 3)), (1, (7, 6, 2)), (2, (5, 5, 4))]
@@ -120,7 +120,7 @@ ADVANCED = [
 ]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_advanced_indexing(ctx):
     mesh = ctx.mesh
     i, j = IDX, torch.tensor([4, 0, 1, 1, 3, 2, 4])
@@ -133,7 +133,7 @@ def test_advanced_indexing(ctx):
             check(fn, [(_g(), None), (i, pi), (j, pi)], mesh, label=f"{name} plain x")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_indexing_mixed_with_basic_indexing(ctx):
     """ints, slices and ``...`` go to the view rules, tensors to ``aten.index``; both compose."""
     mesh = ctx.mesh
@@ -151,7 +151,7 @@ def test_indexing_mixed_with_basic_indexing(ctx):
             check(fn, [(_g(), px), (j, None)], mesh, label=name)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_boolean_masks(ctx):
     mesh = ctx.mesh
     full = _g(seed=5) > 0.2
@@ -172,7 +172,7 @@ def test_boolean_masks(ctx):
     check(lambda x: x[x > 0], [(_g(), layouts(mesh, 3)[0])], mesh, label="x[x > 0]")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_mask_output_layout_uses_rank_counts(ctx):
     mesh = ctx.mesh
     spec = make_spec(mesh, (Shard(0),) * mesh.ndim, SHAPE)
@@ -189,7 +189,7 @@ def test_mask_output_layout_uses_rank_counts(ctx):
     assert torch.equal(x1[x1 > 0].full_tensor(), G[G > 0])
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_nonzero_and_where_with_one_argument(ctx):
     mesh = ctx.mesh
     G = _g(seed=2).round()
@@ -212,7 +212,7 @@ def _setitem(index, value_fn=None):
     return fn
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_setitem_and_index_put(ctx):
     mesh = ctx.mesh
     mask2 = _g(seed=5)[:, :, 0] > 0
@@ -236,7 +236,7 @@ def test_setitem_and_index_put(ctx):
                 check(fn, [(_g(), px), (v, layouts(mesh, v.ndim)[0])], mesh, label=f"{name} sharded v")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_index_add_and_scatter_family(ctx):
     mesh = ctx.mesh
     idx = torch.tensor([6, 0, 2, 2, 5])
@@ -276,7 +276,7 @@ class _Embed(torch.nn.Module):
         return self.embedding(idx) * scale
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_embedding(ctx):
     mesh = ctx.mesh
     idx = _ints(10, (6, 4), seed=7)
@@ -295,7 +295,7 @@ def test_embedding(ctx):
           mesh, label="scale_grad_by_freq")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_embedding_with_sharded_indices_communicates_only_for_the_weight_gradient(ctx):
     mesh = ctx.mesh
     idx = _ints(10, (6, 4), seed=7)

@@ -7,7 +7,7 @@ from physicsnemo_dp import ShardTensorSpec, count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 SHAPE = (7, 5, 3)
 
@@ -33,7 +33,7 @@ SLICES = [
 ]
 
 
-@distributed(timeout=120)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=120)
 def test_slice_and_narrow(ctx):
     for i, fn in enumerate(SLICES):
         for placements in layouts(ctx.mesh, 3, partial=True):
@@ -58,7 +58,7 @@ SPLITS = [
 ]
 
 
-@distributed(timeout=120)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=120)
 def test_split_chunk_unbind(ctx):
     for i, fn in enumerate(SPLITS):
         for placements in layouts(ctx.mesh, 3, partial=True):
@@ -76,14 +76,14 @@ SELECTS = [
 ]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_select(ctx):
     for i, fn in enumerate(SELECTS):
         for placements in layouts(ctx.mesh, 3, partial=True):
             check(fn, [(_g(), placements)], ctx.mesh, label=f"select[{i}]")
 
 
-@distributed(timeout=300)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=300)
 def test_cat_along_and_across_the_sharded_dim(ctx):
     lay = layouts(ctx.mesh, 3)
     for d in range(3):
@@ -96,7 +96,7 @@ def test_cat_along_and_across_the_sharded_dim(ctx):
             check(lambda a: torch.cat([a.narrow(d, 0, 2), a, a.narrow(d, 1, 2)], d), [(_g(), pa)], ctx.mesh, label=f"cat-self{d}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_cat_edge_cases(ctx):
     for pa in layouts(ctx.mesh, 3, partial=True):
         check(lambda a: torch.cat([a, a.new_zeros(0, 5, 3), a], 0), [(_g(), pa)], ctx.mesh, label="cat-empty")
@@ -105,7 +105,7 @@ def test_cat_edge_cases(ctx):
         check(lambda a: torch.cat(a.split([3, 4])), [(_g(), pa)], ctx.mesh, label="cat-split")
 
 
-@distributed(timeout=120)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=120)
 def test_stack(ctx):
     lay = layouts(ctx.mesh, 3, partial=True)
     for d in (0, 1, 3, -1):
@@ -115,7 +115,7 @@ def test_stack(ctx):
             check(lambda a, b: torch.stack([b, a], d), [(_g(), pa), (_g(seed=2), None)], ctx.mesh, label=f"stack-plain{d}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_split_slice_narrow_along_the_sharded_dim_do_not_communicate(ctx):
     mesh = ctx.mesh
     for placements in layouts(mesh, 3):
@@ -145,7 +145,7 @@ def test_split_slice_narrow_along_the_sharded_dim_do_not_communicate(ctx):
         assert torch.equal(x.grad.full_tensor(), expected)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_cat_and_stack_across_the_sharded_dim_do_not_communicate(ctx):
     mesh = ctx.mesh
     for placements in layouts(mesh, 3, dims=[0]):
@@ -160,7 +160,7 @@ def test_cat_and_stack_across_the_sharded_dim_do_not_communicate(ctx):
         assert torch.equal(u[1].full_tensor(), _g(seed=1))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_select_along_the_sharded_dim_broadcasts_from_the_owner(ctx):
     mesh = ctx.mesh
     spec = make_spec(mesh, [Shard(0)] * mesh.ndim, SHAPE)
@@ -173,7 +173,7 @@ def test_select_along_the_sharded_dim_broadcasts_from_the_owner(ctx):
     assert torch.equal(row._local_tensor, _g()[4])
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_in_place_write_through_a_slice_reaches_the_base(ctx):
     for placements in layouts(ctx.mesh, 3):
         spec = make_spec(ctx.mesh, placements, SHAPE)
@@ -187,7 +187,7 @@ def test_in_place_write_through_a_slice_reaches_the_base(ctx):
         assert torch.equal(x.full_tensor(), expected)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_one_dimensional_select_and_unbind(ctx):
     for placements in layouts(ctx.mesh, 1):
         g = _g((6,), 4)

@@ -9,7 +9,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 aten = torch.ops.aten
 
@@ -27,7 +27,7 @@ def _pairs(mesh, a_ndim, b_ndim):
     return pairs
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_mm_bmm_mv_dot(ctx):
     cases = [
         ("mm", torch.mm, (7, 5), (5, 3)),
@@ -41,7 +41,7 @@ def test_mm_bmm_mv_dot(ctx):
             check(fn, [(_g(sa, 1), pa), (_g(sb, 2), pb)], ctx.mesh, label=name)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_matmul_any_batch_dims(ctx):
     cases = [
         ((7, 5), (5, 3)),
@@ -56,7 +56,7 @@ def test_matmul_any_batch_dims(ctx):
                 check(fn, [(_g(sa, 3), pa), (_g(sb, 4), pb)], ctx.mesh, label=f"matmul {sa}@{sb}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_addmm_baddbmm_addmv(ctx):
     cases = [
         ("addmm", torch.addmm, (3,), (7, 5), (5, 3)),
@@ -75,7 +75,7 @@ def test_addmm_baddbmm_addmv(ctx):
                 )
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_linear_on_nd_inputs_any_dim_sharded(ctx):
     """(B, N, C) inputs with B > 1, sharded on any dim including the token dim N."""
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def test_linear_on_nd_inputs_any_dim_sharded(ctx):
         check(lambda x, w: F.linear(x, w), [(_g((7, 4), 11), placements), (_g((4,), 12), None)], ctx.mesh, label="1-D weight")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_einsum(ctx):
     cases = [
         ("bij,bjk->bik", (3, 7, 5), (3, 5, 2)),
@@ -118,7 +118,7 @@ def test_einsum(ctx):
         )
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_sharded_contraction_dim_gives_partial_without_communication(ctx):
     mesh = ctx.mesh
     A, B = _g((7, 5), 1), _g((5, 3), 2)
@@ -137,7 +137,7 @@ def test_sharded_contraction_dim_gives_partial_without_communication(ctx):
     assert torch.allclose(y.full_tensor(), A @ B)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_partial_operand_stays_pending(ctx):
     mesh = ctx.mesh
     for name, fn, sa, sb in (("mm", torch.mm, (7, 5), (5, 3)), ("linear", F.linear, (3, 7, 4), (2, 4))):
@@ -152,7 +152,7 @@ def test_partial_operand_stays_pending(ctx):
             check(fn, [(A, placements), (W, None)], mesh, label=f"{name} partial")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_linear_issues_no_forward_communication(ctx):
     mesh = ctx.mesh
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def test_linear_issues_no_forward_communication(ctx):
         layer.zero_grad()
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_dispatch_level_rules(ctx):
     """The ATen ops themselves (reached below autograd, e.g. from other ops' formulas)."""
     mesh = ctx.mesh
@@ -195,7 +195,7 @@ def test_dispatch_level_rules(ctx):
             assert torch.allclose(out.full_tensor(), expected), (op, placements)
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_bad_shapes_raise_on_every_rank(ctx):
     mesh = ctx.mesh
     a = shard_from_global(_g((7, 5)), make_spec(mesh, layouts(mesh, 2)[0], (7, 5)))
@@ -209,7 +209,7 @@ def test_bad_shapes_raise_on_every_rank(ctx):
         torch.einsum("ii->i", shard_from_global(_g((5, 5)), make_spec(mesh, layouts(mesh, 2)[0], (5, 5))))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_linear_with_sharded_features_gathers_the_weight_gradient_not_the_input(ctx):
     """Contracted dim sharded: forward gives a pending sum without communication; in backward
     the weight gradient comes out sharded like the input's features and only it is gathered."""

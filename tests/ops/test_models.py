@@ -11,7 +11,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 B, N, C = 3, 7, 8
 
@@ -49,27 +49,27 @@ def _block():
     return Block().double()
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_mlp_any_dim_sharded(ctx):
     for placements in layouts(ctx.mesh, 3):
         check(lambda m, x: m(x), [(_g((B, N, C)), placements)], ctx.mesh, module=_mlp(), label="mlp")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_transformer_block_batch_sharded(ctx):
     """Attention mixes tokens, so the batch dim carries the sharding (attention on unsharded dims)."""
     for placements in layouts(ctx.mesh, 3, dims=(0,)):
         check(lambda m, x: m(x), [(_g((B, N, C), 2), placements)], ctx.mesh, module=_block(), label="block")
 
 
-@distributed(timeout=120)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=120)
 def test_transformer_block_token_sharded(ctx):
     """Sharding the token dim is also exact: the attention products gather keys and values."""
     for placements in layouts(ctx.mesh, 3, dims=(1,)):
         check(lambda m, x: m(x), [(_g((B, N, C), 3), placements)], ctx.mesh, module=_block(), label="block tokens")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_mlp_forward_is_communication_free(ctx):
     """Linear layers on unsharded features: no forward collective; backward only reduces parameter gradients."""
     mesh = ctx.mesh

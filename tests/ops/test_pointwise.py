@@ -7,7 +7,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import integer_tensor, make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 SHAPE = (7, 5, 3)
 
@@ -22,14 +22,14 @@ UNARY = [torch.sin, torch.tanh, torch.exp, torch.relu, torch.sigmoid, lambda x: 
          lambda x: x.clone(), lambda x: x.detach() * x]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_unary_ops(ctx):
     for i, fn in enumerate(UNARY):
         for placements in layouts(ctx.mesh, 3):
             check(fn, [(_g(), placements)], ctx.mesh, label=f"unary[{i}]")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_binary_ops_with_same_and_different_layouts(ctx):
     ops = [torch.add, torch.sub, torch.mul, lambda a, b: a / (b.abs() + 1), torch.maximum, lambda a, b: torch.atan2(a, b)]
     lay = layouts(ctx.mesh, 3)
@@ -39,7 +39,7 @@ def test_binary_ops_with_same_and_different_layouts(ctx):
                 check(fn, [(_g(seed=1), pa), (_g(seed=2), pb)], ctx.mesh, label=f"binary[{i}]")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_broadcasting_with_plain_tensors_and_scalars(ctx):
     weight = _g((3,), seed=3)
     column = _g((7, 1, 1), seed=4)
@@ -51,7 +51,7 @@ def test_broadcasting_with_plain_tensors_and_scalars(ctx):
         check(lambda x, c: x * c, [(_g(), placements), (column, placements[:1] + (Replicate(),) * (ctx.mesh.ndim - 1) if placements[0] == Shard(0) else None)], ctx.mesh, label="bcast-sharded")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_partial_stays_pending_only_for_linear_ops(ctx):
     mesh = ctx.mesh
     G, H = integer_tensor(SHAPE, 1), integer_tensor(SHAPE, 2)
@@ -71,7 +71,7 @@ def test_partial_stays_pending_only_for_linear_ops(ctx):
     assert torch.equal(torch.relu(a).full_tensor(), torch.relu(G))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_elementwise_ops_do_not_communicate(ctx):
     mesh = ctx.mesh
     spec = make_spec(mesh, layouts(mesh, 3)[0], SHAPE)
@@ -83,7 +83,7 @@ def test_elementwise_ops_do_not_communicate(ctx):
     assert y._spec.dim_sizes == spec.dim_sizes
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_in_place_ops(ctx):
     mesh = ctx.mesh
     for placements in layouts(mesh, 3):
@@ -99,7 +99,7 @@ def test_in_place_ops(ctx):
         assert torch.equal(x.full_tensor(), G) and x._spec.dim_sizes == spec.dim_sizes
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_dtype_casts_and_like_factories(ctx):
     mesh = ctx.mesh
     spec = make_spec(mesh, layouts(mesh, 3)[0], SHAPE)

@@ -14,7 +14,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import integer_tensor, make_spec, shard_from_global
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 SHAPE = (7, 5, 3)
 aten = torch.ops.aten
@@ -146,43 +146,43 @@ LOGICAL = [
 ]
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_sum_and_mean(ctx):
     _check_all(SUMS, ctx.mesh, [_g()])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_nansum_and_nanmean(ctx):
     _check_all(NAN_SUMS, ctx.mesh, [_with_nans()])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_max_min_and_arg_reductions(ctx):
     # random data, then small integers: many ties, where the lowest global index must win
     _check_all(EXTREMES, ctx.mesh, [_g(), integer_tensor(SHAPE, 3)])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_prod_with_and_without_zeros(ctx):
     _check_all(PRODS, ctx.mesh, [_near_one(), 1 + 0.3 * _g(seed=4)])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_norms(ctx):
     _check_all(NORMS, ctx.mesh, [_g()])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_var_std_and_logsumexp(ctx):
     _check_all(MOMENTS, ctx.mesh, [_g() * 3 + 100])  # a large mean: a one-pass formula would lose digits
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_logical_and_counting(ctx):
     _check_all(LOGICAL, ctx.mesh, [_g()])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_partial_inputs(ctx):
     """Pending sums stay pending through sum/mean; every other reduction resolves them first."""
     mesh = ctx.mesh
@@ -204,7 +204,7 @@ def test_partial_inputs(ctx):
             assert [isinstance(p, Partial) for p in out.placements] == pending
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_float32(ctx):
     cases = [
         ("sum(0)", lambda x: x.sum(0)),
@@ -221,7 +221,7 @@ def test_float32(ctx):
     _check_all(cases, ctx.mesh, [_g(dtype=torch.float32)])
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_aten_level_backward_formulas(ctx):
     """Reductions reached below the function handlers use ATen's derivatives on the rules."""
     cases = [
@@ -238,7 +238,7 @@ def test_aten_level_backward_formulas(ctx):
     _check_all(cases, ctx.mesh, [_near_one()])
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_sum_mean_grads_stay_in_layout_without_communication(ctx):
     mesh = ctx.mesh
     for placements in layouts(mesh, 3):
@@ -300,7 +300,7 @@ def test_communication_is_reduced_size_only(ctx):
         assert backward.total_received <= back_volume, (name, backward.summary())
 
 
-@distributed(timeout=180)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=180)
 def test_nan_propagates_like_torch(ctx):
     """A NaN anywhere wins max/min/norm/logsumexp on every rank, and argmax points at the first one."""
     cases = EXTREMES + [c for c in NORMS + MOMENTS if "normalize" not in c[0]]

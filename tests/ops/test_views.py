@@ -8,7 +8,7 @@ from physicsnemo_dp import PlacementError, ShardTensor, ShardTensorSpec, count_c
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global, uneven_table
-from ._diff import check, layouts
+from ._diff import OP_WORLD_SIZES, check, layouts
 
 SHAPE = (7, 5, 3)
 
@@ -39,14 +39,14 @@ RESHAPES = [
 ]
 
 
-@distributed(timeout=300)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=300)
 def test_reshapes(ctx):
     for i, fn in enumerate(RESHAPES):
         for placements in layouts(ctx.mesh, 3, partial=True):
             check(fn, [(_g(), placements)], ctx.mesh, label=f"reshape[{i}]")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_split_a_dim_and_size_one_dims(ctx):
     fns = [lambda x: x.view(4, 3, 2), lambda x: x.view(2, 6, 2), lambda x: x.view(24), lambda x: x.view(12, 1, 2)]
     for i, fn in enumerate(fns):
@@ -58,7 +58,7 @@ def test_split_a_dim_and_size_one_dims(ctx):
             check(fn, [(_g((7, 1, 3), 2), placements)], ctx.mesh, label=f"size-one[{i}]")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_views_of_empty_tensors(ctx):
     for placements in layouts(ctx.mesh, 2):
         check(lambda x: x.reshape(4, 0), [(_g((0, 4)), placements)], ctx.mesh, label="empty")
@@ -81,7 +81,7 @@ PERMUTES = [
 ]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_permute_transpose_movedim(ctx):
     for i, fn in enumerate(PERMUTES):
         for placements in layouts(ctx.mesh, 3, partial=True):
@@ -103,7 +103,7 @@ SQUEEZES = [
 ]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_squeeze_unsqueeze(ctx):
     for i, fn in enumerate(SQUEEZES):
         for placements in layouts(ctx.mesh, 3, partial=True):
@@ -123,14 +123,14 @@ EXPANDS = [
 ]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_expand(ctx):
     for i, fn in enumerate(EXPANDS):
         for placements in layouts(ctx.mesh, 3, partial=True):
             check(fn, [(_g((7, 1, 3), 5), placements)], ctx.mesh, label=f"expand[{i}]")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_expand_of_replicate_is_a_stride_zero_view(ctx):
     mesh = ctx.mesh
     spec = ShardTensorSpec.chunked(mesh, [Replicate()] * mesh.ndim, (1, 3), torch.float64)
@@ -143,7 +143,7 @@ def test_expand_of_replicate_is_a_stride_zero_view(ctx):
     assert y._local_tensor.data_ptr() == x._local_tensor.data_ptr()
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_views_that_keep_the_sharding_do_not_communicate(ctx):
     mesh = ctx.mesh
     for placements in layouts(mesh, 3, partial=True):
@@ -168,7 +168,7 @@ def test_views_that_keep_the_sharding_do_not_communicate(ctx):
     assert torch.equal(y.full_tensor(), _g((24, 2)).view(8, 3, 2))
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_as_strided_is_refused_clearly(ctx):
     spec = make_spec(ctx.mesh, layouts(ctx.mesh, 2)[0], (4, 4))
     x = shard_from_global(_g((4, 4)), spec)
@@ -218,7 +218,7 @@ WIDER = [(torch.int32, torch.float32), (torch.float16, torch.float32), (torch.ui
          (torch.float32, torch.complex64)]
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_view_dtype_reinterprets_every_shard(ctx):
     for src, dst in SAME_OR_NARROWER:  # every layout, the last dim sharded unevenly too (with empty shards)
         for placements in layouts(ctx.mesh, 3, partial=src.is_floating_point):
@@ -230,7 +230,7 @@ def test_view_dtype_reinterprets_every_shard(ctx):
                   grad=False, label=f"view({src}->{dst})")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_view_dtype_of_a_sharded_last_dim_needs_whole_wide_elements(ctx):
     mesh = ctx.mesh
     g = _typed((3, 4 * mesh.size()), torch.uint8)

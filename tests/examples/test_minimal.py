@@ -49,6 +49,7 @@ def test_plain_python_starts_four_ranks():
     assert "a + b = [0.0, 11.0, 22.0" in result.stdout and "[rank 3] rank 3: local" in result.stdout
 
 
+@pytest.mark.slow  # torchrun itself: tests/distributed/test_example.py and test_training_safety.py; pytest -m slow
 @pytest.mark.timeout(500)
 def test_under_torchrun():
     result = _run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",

@@ -20,7 +20,7 @@ from physicsnemo_dp import ShardTensor
 
 from ..core._util import make_spec, shard_from_global
 
-#: World sizes of the op-family tests besides the 2x2 mesh (``@distributed``'s default adds 4).
+#: World sizes of the op-family and spatial-op tests besides the 2x2 mesh (``@distributed``'s default adds 4).
 #: 3 ranks make uneven and empty shards; the 2x2 mesh has 4 ranks and the 2-D placements.
 #: A 4-way split of one dim adds little to those here (4 ranks ran 23 % of these tests'
 #: time): the property tests (``tests/properties``) draw 1-D meshes of 1-4 ranks for every family.

@@ -9,7 +9,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ..ops._diff import check
+from ..ops._diff import OP_WORLD_SIZES, check
 from ._cases import check_module, grid, spatial_layouts
 
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -39,7 +39,7 @@ def _conv_case(n, case, transposed=False):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_conv(ctx, n):
     x = grid(SHAPES[n])
     for case in CONV_CASES:
@@ -63,7 +63,7 @@ CONV_T_CASES = [
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_conv_transpose(ctx, n):
     x = grid(SHAPES[n])
     for case in CONV_T_CASES:
@@ -73,7 +73,7 @@ def test_conv_transpose(ctx, n):
             check(lambda x, w, b=None: CONV_T[n](x, w, b, **kw), inputs, ctx.mesh, label=f"conv_transpose{n}d {case}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_nn_modules_with_every_padding_mode(ctx):
     x = grid(SHAPES[2])
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ def test_nn_modules_with_every_padding_mode(ctx):
         check_module(conv3, grid(SHAPES[3]), placements, ctx.mesh, label="conv3d circular")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_unbatched_and_channel_sharded_inputs(ctx):
     x = grid(SHAPES[2])
     w, b = grid((3, 4, 3, 3), 1), grid((3,), 2)
@@ -112,7 +112,7 @@ def _expected_halo_rows(spec, d, halo):
     return min(a + n + halo, N) - max(a - halo, 0) - n
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_each_conv_does_one_halo_exchange_per_sharded_dim(ctx):
     shape = (2, 4, 11, 9)
     x_global, w, b = grid(shape), grid((3, 4, 5, 5), 1), grid((3,), 2)
@@ -142,7 +142,7 @@ def test_each_conv_does_one_halo_exchange_per_sharded_dim(ctx):
         assert y._spec.dim_sizes == spec.dim_sizes  # stride 1, same padding: layout unchanged
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_transposed_and_3d_convs_exchange_once_per_sharded_dim(ctx):
     cases = [
         ((2, 4, 12, 10), lambda x: F.conv_transpose2d(x, grid((4, 3, 3, 3), 1), stride=2, padding=1, output_padding=1), 2),

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from tests._harness import distributed
 
-from ..ops._diff import check
+from ..ops._diff import OP_WORLD_SIZES, check
 from ._cases import check_module, grid, spatial_layouts
 
 SHAPES = {1: (2, 3, 13), 2: (2, 3, 11, 9), 3: (1, 2, 7, 6, 5)}
@@ -24,7 +24,7 @@ def _sizing(n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_interpolate(ctx, n):
     x = grid(SHAPES[n])
     for mode in MODES[n]:
@@ -36,7 +36,7 @@ def test_interpolate(ctx, n):
                     check(lambda x: F.interpolate(x, **kw), [(x, placements)], ctx.mesh, label=f"interpolate {kw}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_antialias_float32_and_upsample_module(ctx):
     x = grid(SHAPES[2])
     for mode in ("bilinear", "bicubic"):

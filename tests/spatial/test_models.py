@@ -7,6 +7,8 @@ from torch.distributed.tensor.placement_types import Shard
 from physicsnemo_dp import ShardTensorSpec, count_collectives
 from tests._harness import distributed
 
+from ..ops._diff import OP_WORLD_SIZES
+
 from ..core._util import shard_from_global
 from ._cases import check_module, grid, spatial_layouts
 
@@ -49,7 +51,7 @@ def _conv3d_stack():
     )  # fmt: skip
 
 
-@distributed(timeout=300)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=300)
 def test_unet_2d(ctx):
     torch.manual_seed(0)
     model = UNet().double()
@@ -58,7 +60,7 @@ def test_unet_2d(ctx):
         check_module(model, x, placements, ctx.mesh, label=f"unet {placements}")
 
 
-@distributed(timeout=300)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=300)
 def test_conv3d_stack(ctx):
     torch.manual_seed(0)
     model = _conv3d_stack().double()

@@ -8,7 +8,7 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ..ops._diff import check
+from ..ops._diff import OP_WORLD_SIZES, check
 from ._cases import check_module, grid, spatial_layouts
 
 SHAPE = (3, 4, 11, 9)
@@ -26,7 +26,7 @@ def _affine(module, seed):
     return module
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_batch_norm_training_and_running_stats(ctx):
     x = grid(SHAPE) * 3 + 10  # a large mean: the two-pass variance matters
     for placements in _layouts(ctx.mesh):
@@ -48,7 +48,7 @@ def test_batch_norm_training_and_running_stats(ctx):
         check(lambda x: F.batch_norm(x, None, None, training=True), [(x, placements)], ctx.mesh, label="bn no stats")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_instance_norm(ctx):
     x = grid(SHAPE)
     for placements in _layouts(ctx.mesh):
@@ -62,7 +62,7 @@ def test_instance_norm(ctx):
         check_module(module, x, placements, ctx.mesh, label="in eval")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_group_norm(ctx):
     x = grid(SHAPE)
     for placements in _layouts(ctx.mesh) + [(Shard(1),) * ctx.mesh.ndim]:
@@ -71,7 +71,7 @@ def test_group_norm(ctx):
     check(lambda x: F.group_norm(x, 2), [(grid((3, 4, 13)), (Shard(2),) * ctx.mesh.ndim)], ctx.mesh, label="gn 1d no affine")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_layer_norm_over_sharded_dims(ctx):
     x = grid(SHAPE)
     for placements in _layouts(ctx.mesh):
@@ -80,7 +80,7 @@ def test_layer_norm_over_sharded_dims(ctx):
         check(lambda x: F.layer_norm(x, (11, 9)), [(x, placements)], ctx.mesh, label="ln no affine")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_statistics_cost_small_all_reduces_only(ctx):
     placements = _layouts(ctx.mesh)[0]
     spec = make_spec(ctx.mesh, placements, SHAPE)

@@ -8,11 +8,11 @@ from physicsnemo_dp import count_collectives
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ..ops._diff import check
+from ..ops._diff import OP_WORLD_SIZES, check
 from ._cases import grid, spatial_layouts
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_pad_every_mode(ctx):
     cases = [
         ((2, 3, 13), (2, 3), "constant", 1.5),
@@ -36,7 +36,7 @@ def test_pad_every_mode(ctx):
             check(lambda x: F.pad(x, pad, mode=mode, **kw), [(x, placements)], ctx.mesh, label=f"pad {pad} {mode}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_constant_padding_does_not_communicate(ctx):
     shape = (2, 3, 11, 9)
     spec = make_spec(ctx.mesh, spatial_layouts(ctx.mesh, 4, 2)[0], shape)

@@ -7,7 +7,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from tests._harness import distributed
 
-from ..ops._diff import check
+from ..ops._diff import OP_WORLD_SIZES, check
 from ._cases import check_module, grid, spatial_layouts
 
 SHAPES = {1: (2, 3, 13), 2: (2, 3, 11, 9), 3: (1, 2, 7, 6, 5)}
@@ -32,7 +32,7 @@ AVG_CASES = [
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_max_and_avg_pool(ctx, n):
     x = grid(SHAPES[n])
     cases = [(getattr(F, f"max_pool{n}d"), c) for c in MAX_CASES] + [(getattr(F, f"avg_pool{n}d"), c) for c in AVG_CASES]
@@ -44,7 +44,7 @@ def test_max_and_avg_pool(ctx, n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_adaptive_pool(ctx, n):
     x = grid(SHAPES[n])
     sizes = {1: [4, 1, 13, 20], 2: [(4, 5), 1, (13, 11), (None, 3), (3, 20)], 3: [(3, 2, 4), 1, (None, 9, 2)]}[n]
@@ -58,7 +58,7 @@ def test_adaptive_pool(ctx, n):
                 check(lambda x: fn(x, size, **kw), [(x, placements)], ctx.mesh, label=f"{fn.__name__} {size} {kw}")
 
 
-@distributed
+@distributed(world_sizes=OP_WORLD_SIZES)
 def test_pool_modules_and_unbatched_and_channel_sharded(ctx):
     x = grid(SHAPES[2])
     modules = [torch.nn.MaxPool2d(3, 2, 1), torch.nn.AvgPool2d(2), torch.nn.AdaptiveAvgPool2d((3, 4)), torch.nn.AdaptiveMaxPool2d(2)]

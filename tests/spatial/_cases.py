@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from itertools import permutations
-
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
@@ -18,12 +16,14 @@ def spatial_layouts(mesh, ndim: int, k: int, batch: bool = False):
     """Placements sharding one spatial dim (1-D mesh) or two dims (2-D mesh) of an input with ``k`` spatial dims.
 
     On the 2x2 mesh: two different spatial dims, batch x spatial, nested
-    sharding of one spatial dim, and replicated x spatial.
+    sharding of one spatial dim, and replicated x spatial. (One pair of spatial
+    dims: another pair, or the same pair in the other order, is the same case
+    with other dims or the mesh dims swapped.)
     """
     spatial = list(range(ndim - k, ndim))
     if mesh.ndim == 1:
         return [(Shard(d),) for d in spatial] + ([(Shard(0),)] if batch else [])
-    pairs = [(Shard(a), Shard(b)) for a, b in permutations(spatial, 2)][:2]
+    pairs = [(Shard(spatial[0]), Shard(spatial[1]))] if k > 1 else []
     return pairs + [(Shard(0), Shard(spatial[-1])), (Shard(spatial[0]), Shard(spatial[0])), (Replicate(), Shard(spatial[0]))]
 
 

@@ -591,10 +591,25 @@ def plot_loss(path: Path, losses: list[float], title: str, test_loss: float | No
     ax.set_ylabel("training loss (global batch)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, title: str | None = None) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (PNG) and free it; ``title`` above all panels."""
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
+
+
+def field_panel(fig, ax, image, name: str) -> None:
+    """A field panel's frame: its name, no ticks, a colour bar."""
+    ax.set_title(name, fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
 
 
 def plot_fields(path: Path, panels: dict, title: str, row_splits=(), same_scale=()) -> Path:
@@ -610,15 +625,8 @@ def plot_fields(path: Path, panels: dict, title: str, row_splits=(), same_scale=
         image = ax.imshow(field, origin="upper", cmap="viridis", vmin=vmin, vmax=vmax)
         for row in row_splits:
             ax.axhline(row - 0.5, color="w", linestyle="--", linewidth=0.8)
-        ax.set_title(name, fontsize=9)
-        ax.set_xticks([])
-        ax.set_yticks([])
-        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        field_panel(fig, ax, image, name)
+    return save_figure(fig, path, title)
 
 
 def plot_points(path: Path, points, panels: dict, owner, title: str, same_scale=(), slab=(0.35, 0.65)) -> Path:
@@ -643,11 +651,7 @@ def plot_points(path: Path, points, panels: dict, owner, title: str, same_scale=
         fig.colorbar(scatter, ax=ax, fraction=0.046, pad=0.04)
     plot_point_partition(points.numpy(), torch.as_tensor(owner).numpy(), ax=axes[-1],
                          title="owning rank (Hilbert-curve ranges)")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def _limits(arrays: dict) -> tuple:

@@ -194,10 +194,7 @@ def plot_partition(path: Path, mesh: dict, rank: int) -> Path:
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _common.save_figure(fig, path)
 
 
 def plot_prediction(path: Path, mesh: dict, title: str) -> Path:
@@ -211,16 +208,9 @@ def plot_prediction(path: Path, mesh: dict, title: str) -> Path:
     for ax, (name, values) in zip(axes, panels.items()):
         scale = {} if name == "|error|" else {"vmin": vmin, "vmax": vmax}
         image = ax.tripcolor(x, y, mesh["cells"], values, shading="gouraud", cmap="viridis", **scale)
-        ax.set_title(name, fontsize=9)
         ax.set_aspect("equal")
-        ax.set_xticks([])
-        ax.set_yticks([])
-        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _common.field_panel(fig, ax, image, name)
+    return _common.save_figure(fig, path, title)
 
 
 def run(argv=None, context: MeshContext | None = None) -> dict:

@@ -22,7 +22,27 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = (64, 32, 60, 5)  # rows, cols, calls per batch, batches
 
 
+def _best_of(measure, tries: int = 3) -> dict:
+    """Best time per op and world over up to ``tries`` measurements, stopping once every ratio is within 2x.
+
+    On this 2-core machine a burst of load from another process has doubled one
+    figure of one measurement (CI: conv2d 484 us at P=4096 vs 231 us at P=4, where
+    quiet runs give 1.00-1.03). A cost that grows with P is in every
+    measurement, so the best of a few still shows it.
+    """
+    best: dict = {}
+    for _ in range(tries):
+        best = {key: min(value, best.get(key, value)) for key, value in measure().items()}
+        if all(ratio <= 2.0 for ratio, _, _ in _ratios(best).values()):
+            break
+    return best
+
+
 def _times() -> dict:
+    return _best_of(_times_once)
+
+
+def _times_once() -> dict:
     if not dist.is_initialized():
         return scaling(*SIZES)
     args = [sys.executable, "-m", "benchmarks.dispatch_overhead", "--json", *map(str, SIZES)]
@@ -34,9 +54,8 @@ def test_per_op_time_at_p4096_within_2x_of_p4():
     times = _times()
     ops = {key.rsplit("@", 1)[0] for key in times}
     assert {"add", "tanh", "chain(3 ops)", "F.linear(x, w)", "x @ w"} <= ops
-    for op in sorted(ops):
-        small, large = times[f"{op}@4"], times[f"{op}@4096"]
-        assert large <= 2.0 * small, f"{op}: {large * 1e6:.1f} us at P=4096 vs {small * 1e6:.1f} us at P=4"
+    for op, (ratio, small, large) in _ratios(times).items():
+        assert ratio <= 2.0, f"{op}: {large * 1e6:.1f} us at P=4096 vs {small * 1e6:.1f} us at P=4"
 
 
 # --------------------------------------------------------------------------- #
@@ -84,8 +103,8 @@ def _window_times(stub_collective: bool, calls: int = 20, repeats: int = 3) -> d
     torch.set_num_threads(1)
     if stub_collective:
         _torch_compat.all_to_all_single = stand_in
-    try:  # the worlds in turn, twice: a burst of load on the machine hits both alike
-        for world in WINDOW_WORLDS * 2:
+    try:  # the worlds in turn, four times: a burst of load on the machine hits both alike
+        for world in WINDOW_WORLDS * 4:
             with _torch_compat.fake_process_group(world, 0):
                 mesh = init_device_mesh("cpu", (world,))
                 rows = [9] + [8] * (world - 2) + [7]
@@ -107,7 +126,7 @@ def _window_times(stub_collective: bool, calls: int = 20, repeats: int = 3) -> d
     return out
 
 
-def _window_times_anywhere(stub_collective: bool) -> dict:
+def _window_times_once(stub_collective: bool) -> dict:
     if not dist.is_initialized():
         return _window_times(stub_collective)
     code = (
@@ -116,6 +135,10 @@ def _window_times_anywhere(stub_collective: bool) -> dict:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _window_times_anywhere(stub_collective: bool) -> dict:
+    return _best_of(lambda: _window_times_once(stub_collective))
 
 
 def _ratios(times: dict) -> dict:

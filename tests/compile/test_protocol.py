@@ -34,7 +34,7 @@ def test_conversions_inside_compiled_code_inductor(ctx):
 
 def _conversions(ctx, backend):
     """redistribute / full_tensor / to_local are opaque calls in the graph; from_local is one call too."""
-    skip_unless_in_scope(ctx, backend)
+    skip_unless_in_scope(ctx, backend, inductor_by_default=False)
     m = ctx.mesh
     x = [(_g(*SHAPE), _sharded(m, 0, 1))]
     moved = _sharded(m, 1, 2)

@@ -215,7 +215,7 @@ def test_linear_with_sharded_features_gathers_the_weight_gradient_not_the_input(
     the weight gradient comes out sharded like the input's features and only it is gathered."""
     mesh = ctx.mesh
     X, W = _g((20, 6), 1), _g((3, 6), 2)
-    placements = layouts(mesh, 2, dims=(1,))[0]
+    placements = (Shard(1),) * mesh.ndim  # the contracted dim sharded over every mesh dim
     x = shard_from_global(X, make_spec(mesh, placements, X.shape), requires_grad=True)
     w = W.clone().requires_grad_(True)
     with count_collectives() as fwd:

@@ -95,33 +95,20 @@ def _probe(model, context) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- #
-# Resume on the same layout
+# Resume on the same layout, then resharding (2, 2) -> (1, 2) and (2, 1)
 # --------------------------------------------------------------------------- #
-def resume_body(ctx, out: Path, strategy: str):
+def save_body(ctx, out: Path, strategy: str) -> dict:
+    """Train 6 steps on (2, 2), then resume from step 3 on the same layout: the same curve and state, bit for bit."""
     c = context(ctx, strategy)
     options = {**OPTIONS, "--strategy": strategy}
     first = unet_darcy.run(argv(options, out), c)
-    expected = _training_state(first["model"], first["optimizer"])
-    second = unet_darcy.run(argv({**options, "--resume": out / "checkpoints" / STEP3}, out), c)
+    saved = {"losses": first["losses"], "state": _training_state(first["model"], first["optimizer"]),
+             "probe": _probe(first["model"], c)}
+    second = unet_darcy.run(argv({**options, "--resume": out / "checkpoints" / STEP3}, out / "resumed-2x2"), c)
     assert len(first["losses"]) == 6
     assert second["losses"] == first["losses"]  # steps 4-6 recomputed bit for bit
-    _assert_identical(_training_state(second["model"], second["optimizer"]), expected)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_resume_is_bit_identical(tmp_path, strategy):
-    on_layout(__name__, "resume_body", (2, 2), out=tmp_path, strategy=strategy)
-
-
-# --------------------------------------------------------------------------- #
-# Resharding (2, 2) -> (1, 2) and (2, 1)
-# --------------------------------------------------------------------------- #
-def save_body(ctx, out: Path, strategy: str) -> dict:
-    c = context(ctx, strategy)
-    result = unet_darcy.run(argv({**OPTIONS, "--strategy": strategy}, out), c)
-    return {"losses": result["losses"], "state": _training_state(result["model"], result["optimizer"]),
-            "probe": _probe(result["model"], c)}
+    _assert_identical(_training_state(second["model"], second["optimizer"]), saved["state"])
+    return saved
 
 
 def load_body(ctx, out: Path, strategy: str, saved: dict):
@@ -146,7 +133,7 @@ def load_body(ctx, out: Path, strategy: str, saved: dict):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_reshard_to_other_layouts(tmp_path, strategy):
+def test_resume_is_bit_identical_and_reshards_to_other_layouts(tmp_path, strategy):
     saved = on_layout(__name__, "save_body", (2, 2), out=tmp_path, strategy=strategy)
     for layout in [(1, 2), (2, 1)]:
         on_layout(__name__, "load_body", layout, out=tmp_path, strategy=strategy, saved=saved)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import table
 from benchmarks._record import over_ranks
 from physicsnemo_dp import launch
 
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    (args.out / "table.md").write_text(table.markdown(report))
     plots = _plot(results, args.out)
     if "graph" in args.suites:  # ghost-node fraction vs P of the SFC partition: counted in this process, no ranks
         from benchmarks import graph

@@ -111,3 +111,17 @@ def test_crossing_interpolates_in_log_size():
     assert crossing([(16, 0.5), (64, 0.7), (256, 0.95)]) == pytest.approx(64 * 4 ** (0.2 / 0.25))
     assert crossing([(16, 0.95), (64, 0.99)]) == 16  # above from the start
     assert crossing([(16, 0.5), (64, 0.8)]) is None  # never reaches it
+
+
+def test_table_has_a_row_per_figure_with_missed_targets_in_bold(report):
+    """``table.md`` (what the README's table is pasted from) holds every figure not on a curve."""
+    out, data = report
+    lines = (out / "table.md").read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| suite")]
+    figures = {(r["suite"], r["case"]) for r in data["results"] if r["local_size"] is None}
+    assert len(rows) == len(figures)
+    missed = [r for r in data["results"] if r["met"] is False and r["local_size"] is None]
+    for r in missed:
+        row = next(line for line in rows if line.startswith(f"| {r['suite']} | {r['case'].replace('|', '/')} |"))
+        assert f"**{r['ratio']:.2f}**" in row, row
+    assert f"world sizes {' '.join(map(str, WORLD_SIZES))}" in lines[0]

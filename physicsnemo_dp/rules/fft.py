@@ -285,8 +285,10 @@ def _resize_local(local, d, n):
     if n <= have:
         return local.narrow(d, 0, n)
     shape = list(local.shape)
-    shape[d] = n - have
-    return torch.cat([local, local.new_zeros(shape)], d)
+    shape[d] = n
+    out = local.new_zeros(shape)  # one buffer (a cat with a block of zeros would hold both at once)
+    out.narrow(d, 0, have).copy_(local)
+    return out
 
 
 def _resize(local, spec, d, n):
@@ -310,13 +312,19 @@ def _resize(local, spec, d, n):
     return _resize_local(local, d, new[me]), _respec(spec, shape, local.dtype, dim_sizes=tuple(sizes))
 
 
-def _double(local, spec, d, count):
-    """Multiply global positions ``1 .. count`` of dim ``d`` by 2 (c2r's adjoint)."""
+def _double(local, spec, d, count, owned):
+    """Multiply global positions ``1 .. count`` of dim ``d`` by 2 (c2r's adjoint).
+
+    In place when ``owned`` (``local`` was made by an earlier step of this run,
+    as c2r's adjoint's r2c makes it); else on a copy, so a caller's tensor is
+    never changed.
+    """
     offset = spec.local_offsets()[d]
     lo, hi = max(1 - offset, 0), min(1 + count - offset, local.shape[d])
     if hi <= lo:
         return local
-    local = local.clone()
+    if not owned:
+        local = local.clone()
     local.narrow(d, lo, hi - lo).mul_(2)
     return local
 
@@ -421,6 +429,7 @@ def _local_fft(op, local, shape, *args):
 
 def _run(local, spec, steps):
     """Execute ``steps`` on this rank's ``local`` laid out as ``spec``."""
+    given = local
     for s in steps:
         if s.kind in _FFTS:
             local, spec = _fft(local, spec, s)
@@ -435,10 +444,15 @@ def _run(local, spec, steps):
         elif s.kind == "conj":
             local = torch.conj_physical(local)
         elif s.kind == "double":
-            local = _double(local, spec, s.dim, s.n)
+            local = _double(local, spec, s.dim, s.n, owned=_owns(local, given))
         else:
             raise AssertionError(f"unknown fft step {s.kind}")
     return local, spec
+
+
+def _owns(local, given) -> bool:
+    """Whether ``local`` is a tensor of its own, not (a view of) the tensor a run was given."""
+    return local._base is None and local.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
 
 
 def _linear_input(x):

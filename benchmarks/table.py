@@ -5,7 +5,7 @@
 ``benchmarks.run`` writes the same table as ``table.md`` beside ``report.json``;
 the "Figures on this machine" table of ``benchmarks/README.md`` is pasted from
 it, so the README's numbers come from one run and say which. A ratio that
-misses its target is in bold. Points of a scaling curve (figures with a local
+misses its target is in bold; one that rounds to its bound gets a third decimal. Points of a scaling curve (figures with a local
 size) are left out: their plots show them.
 """
 
@@ -20,6 +20,8 @@ def _cell(result: dict | None) -> str:
     if result is None:
         return "–"
     text = f"{result['ratio']:.2f}"
+    if result["target"] and float(text) == result["target"][1]:  # 1.201 against <= 1.2: show which side
+        text = f"{result['ratio']:.3f}"
     return f"**{text}**" if result["met"] is False else text
 
 

@@ -279,7 +279,7 @@ def _compact(x):
     at P = 1 again).
     """
     local = x._local_tensor
-    if local.untyped_storage().nbytes() <= 2 * local.numel() * local.element_size():
+    if local.untyped_storage().nbytes() <= 2 * local.nbytes:
         return x
     return wrap(local.clone(memory_format=torch.contiguous_format), x._spec)
 

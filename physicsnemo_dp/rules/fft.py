@@ -316,8 +316,8 @@ def _double(local, spec, d, count, owned):
     """Multiply global positions ``1 .. count`` of dim ``d`` by 2 (c2r's adjoint).
 
     In place when ``owned`` (``local`` was made by an earlier step of this run,
-    as c2r's adjoint's r2c makes it); else on a copy, so a caller's tensor is
-    never changed.
+    as c2r's adjoint's r2c makes it: one buffer less at the backward's peak);
+    else on a copy, so a caller's tensor is never changed.
     """
     offset = spec.local_offsets()[d]
     lo, hi = max(1 - offset, 0), min(1 + count - offset, local.shape[d])
@@ -428,31 +428,37 @@ def _local_fft(op, local, shape, *args):
 
 
 def _run(local, spec, steps):
-    """Execute ``steps`` on this rank's ``local`` laid out as ``spec``."""
-    given = local
+    """Execute ``steps`` on this rank's ``local`` laid out as ``spec``.
+
+    ``owned`` tracks whether ``local`` is a tensor this run made (an FFT's or
+    a conjugation's output), which a later step may change in place; the
+    given tensor, and views (crops, real parts), are never changed.
+    """
+    owned = False
     for s in steps:
         if s.kind in _FFTS:
             local, spec = _fft(local, spec, s)
+            owned = True
         elif s.kind == "resize":
             local, spec = _resize(local, spec, normalize_dim(s.dim, len(spec.global_shape)), s.n)
+            owned = False
         elif s.kind == "cast":
             local = local.to(s.dtype)
             spec = _respec(spec, spec.global_shape, local.dtype)
+            owned = False
         elif s.kind == "real":
             local = torch.real(local)
             spec = _respec(spec, spec.global_shape, local.dtype)
+            owned = False
         elif s.kind == "conj":
             local = torch.conj_physical(local)
+            owned = True
         elif s.kind == "double":
-            local = _double(local, spec, s.dim, s.n, owned=_owns(local, given))
+            local = _double(local, spec, s.dim, s.n, owned)
+            owned = True
         else:
             raise AssertionError(f"unknown fft step {s.kind}")
     return local, spec
-
-
-def _owns(local, given) -> bool:
-    """Whether ``local`` is a tensor of its own, not (a view of) the tensor a run was given."""
-    return local._base is None and local.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
 
 
 def _linear_input(x):

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .._torch_compat import Function, non_differentiable
+from .._torch_compat import Function, non_differentiable, torch_function_disabled, tracing
 from .. import _layout, collectives
 from .._redistribute import grad_layout
 from ..rule_kit import meta_output, replicated_to_box, shard_tensor_cls, to_layout, wrap
@@ -244,6 +244,16 @@ def _layer_norm(func, types, args, kwargs):
     x = prepare_input(x, ())
     k = len(normalized_shape)
     stats = _stats(x, tuple(range(x.ndim - k, x.ndim)), eps=eps, param_shape=tuple(normalized_shape), trailing=True)
+    if not stats.mesh_dims and not tracing(x._local_tensor):
+        # Every row is whole on its rank (the transformer case: tokens sharded, features not): torch's
+        # fused kernels through the native_layer_norm rule (rules/dim_ops/norms.py), the arithmetic of
+        # one process. The decomposed path below made ~12 elementwise passes per call (+5 % of a
+        # transformer block's step at P = 1). Eager only: under Inductor on uneven shards that rule's
+        # weight-gradient reductions came out in different orders on different ranks (a collective
+        # mismatch, tests/compile/test_transformer.py::test_regional_compile_inductor); compiled code
+        # keeps the decomposed path, which Inductor fuses anyway.
+        with torch_function_disabled():
+            return F.layer_norm(x, normalized_shape, weight, bias, eps)
     return _normalize(x, weight, bias, stats)[0]
 
 

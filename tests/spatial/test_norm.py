@@ -93,3 +93,18 @@ def test_statistics_cost_small_all_reduces_only(ctx):
     assert fwd.calls.get("all_reduce", 0) == fwd.total_calls == 2 * reducing, fwd.summary()  # mean, centred variance
     assert bwd.calls.get("all_reduce", 0) == bwd.total_calls == reducing, bwd.summary()
     assert y._spec == x._spec
+
+
+@distributed(world_sizes=OP_WORLD_SIZES)
+def test_layer_norm_over_whole_rows_runs_torch_kernels(ctx):
+    """Tokens sharded, features whole (a transformer's LayerNorm): each rank runs torch's own
+    native_layer_norm on its rows, and autograd's own node for its backward, not the decomposed
+    statistics path (a dozen elementwise passes more per call)."""
+    G = grid((2, 7, 8))
+    placements = (Shard(1),) * ctx.mesh.ndim
+    x = shard_from_global(G, make_spec(ctx.mesh, placements, G.shape), requires_grad=True)
+    y = _affine(torch.nn.LayerNorm(8).double(), 3)(x)
+    assert type(y.grad_fn).__name__ == "NativeLayerNormBackward0", type(y.grad_fn).__name__
+    check_module(_affine(torch.nn.LayerNorm(8).double(), 3), G, placements, ctx.mesh, label="ln rows")
+    z = _affine(torch.nn.LayerNorm((7, 8)).double(), 3)(x)  # a sharded normalized dim: the statistics path
+    assert type(z.grad_fn).__name__ != "NativeLayerNormBackward0" or ctx.world_size == 1

@@ -45,10 +45,14 @@ def skip_unless_in_scope(ctx, backend: str, inductor_by_default: bool = True) ->
     """Skip this (mesh, backend) cell unless the current scope (default or full) includes it.
 
     ``inductor_by_default=False``: the cell's Inductor run adds a cold compile
-    (10-25 s here) but no path the default run's Inductor cells (the matrix's
-    CNN, the regional ring block, the per-rank graph cache) leave out: Inductor
-    compiles the plain-tensor graph AOTAutograd made from our rules, which the
-    aot_eager run of the same cell already checks. It runs in the full scope.
+    (10-25 s here) for little the default run lacks. Inductor compiles the
+    plain-tensor graph AOTAutograd made from our rules, which the aot_eager
+    run of the same cell checks; what Inductor adds is code generation and
+    scheduling, and the scheduling risk (collectives issued in another order
+    on another rank) is what the default Inductor cells exercise: the matrix's
+    CNN (halos), the regional ring block (weight-gradient reductions; it caught
+    such a reordering), the per-rank graph cache and the lopsided collective.
+    It runs in the full scope.
     """
     if not FULL and (ctx.world_size == 1 or (backend == "inductor" and ctx.mesh.ndim == 2)):
         pytest.skip(f"{backend} on this mesh runs with PDP_COMPILE_MATRIX=full only")

@@ -123,5 +123,16 @@ def test_table_has_a_row_per_figure_with_missed_targets_in_bold(report):
     missed = [r for r in data["results"] if r["met"] is False and r["local_size"] is None]
     for r in missed:
         row = next(line for line in rows if line.startswith(f"| {r['suite']} | {r['case'].replace('|', '/')} |"))
-        assert f"**{r['ratio']:.2f}**" in row, row
+        assert f"**{r['ratio']:.2f}**" in row or f"**{r['ratio']:.3f}**" in row, row
     assert f"world sizes {' '.join(map(str, WORLD_SIZES))}" in lines[0]
+
+
+def test_table_cells_show_which_side_of_the_bound_a_ratio_is():
+    from benchmarks.table import _cell
+
+    assert _cell({"ratio": 1.234, "target": ["<=", 1.2], "met": False}) == "**1.23**"
+    assert _cell({"ratio": 1.201, "target": ["<=", 1.2], "met": False}) == "**1.201**"  # "1.20" would read as met
+    assert _cell({"ratio": 0.896, "target": [">=", 0.9], "met": False}) == "**0.896**"
+    assert _cell({"ratio": 0.904, "target": [">=", 0.9], "met": True}) == "0.904"
+    assert _cell({"ratio": 0.5, "target": None, "met": None}) == "0.50"
+    assert _cell(None) == "–"

@@ -454,8 +454,9 @@ def _run(local, spec, steps):
             local = torch.conj_physical(local)
             owned = True
         elif s.kind == "double":
-            local = _double(local, spec, s.dim, s.n, owned)
-            owned = True
+            doubled = _double(local, spec, s.dim, s.n, owned)
+            owned = owned or doubled is not local  # nothing to double returns the tensor as it was
+            local = doubled
         else:
             raise AssertionError(f"unknown fft step {s.kind}")
     return local, spec

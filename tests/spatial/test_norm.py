@@ -106,5 +106,7 @@ def test_layer_norm_over_whole_rows_runs_torch_kernels(ctx):
     y = _affine(torch.nn.LayerNorm(8).double(), 3)(x)
     assert type(y.grad_fn).__name__ == "NativeLayerNormBackward0", type(y.grad_fn).__name__
     check_module(_affine(torch.nn.LayerNorm(8).double(), 3), G, placements, ctx.mesh, label="ln rows")
+    w, b = torch.randn(4), torch.randn(4)  # float32, and a strided (every other feature) local view
+    check(lambda x: F.layer_norm(x[..., ::2], (4,), w, b), [(G.float(), placements)], ctx.mesh, label="ln strided f32")
     z = _affine(torch.nn.LayerNorm((7, 8)).double(), 3)(x)  # a sharded normalized dim: the statistics path
     assert type(z.grad_fn).__name__ != "NativeLayerNormBackward0" or ctx.world_size == 1

@@ -66,6 +66,7 @@ from physicsnemo_dp.collectives import mesh_device
 from ._models import uneven_sizes
 from ._record import Result, over_ranks
 from ._timing import fastest, repeated
+from .dispatch_floor import floor
 
 SUITE = "dispatch_overhead"
 
@@ -126,8 +127,20 @@ def run(mesh, rows: int, cols: int, calls: int, repeats: int, compare_dtensor: b
             Result(SUITE, f"{name}: DTensor / plain torch", P, t["DTensor"], t["plain"], "s"),
             Result(SUITE, f"{name}: ShardTensor even / plain torch", P, t["ShardTensor even"], t["plain"], "s"),
         ]  # fmt: skip
-    # The growth with P does not depend on the run's world size: measured once, in the run at P = 2.
-    return results + (_scaling_results(P, rows, cols, calls, repeats) if P == 2 else [])
+    # The growth with P and the floor of a Python subclass do not depend on the run's world size: measured
+    # once, in the run at P = 2.
+    if P == 2:
+        results += _scaling_results(P, rows, cols, calls, repeats) + _floor_results(mesh, rows, cols, calls, repeats)
+    return results
+
+
+def _floor_results(mesh, rows: int, cols: int, calls: int, repeats: int) -> list[Result]:
+    """``x @ w`` of bare Python subclasses (no sharding logic) over DTensor's: see :mod:`.dispatch_floor`."""
+    t = {name: over_ranks(seconds) / mesh.size() for name, seconds in floor(mesh, rows, cols, calls, repeats).items()}
+    return [
+        Result(SUITE, f"x @ w: floor, {name} / DTensor", mesh.size(), t[name], t["DTensor"], "s")
+        for name in t if name.startswith("bare subclass")
+    ]
 
 
 def _scaling_results(P: int, rows: int, cols: int, calls: int, repeats: int) -> list[Result]:

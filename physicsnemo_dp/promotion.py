@@ -10,7 +10,11 @@ convention.
 The step is the differentiable :class:`Promote`; :func:`promote_args` applies
 it to an op's arguments. The ``__torch_function__`` hook calls it before every
 op, and rules that build a replicated operand themselves (``matmul``) use
-:class:`Promote` directly.
+:func:`promote` directly. The plain tensors of one call (a layer's weight and
+bias) are promoted by one node, whose backward sums all their gradients in one
+collective: a collective's fixed cost (a launch on GPUs, several messages and
+the transport threads' wake-ups with gloo) is paid once per layer, not once
+per parameter, for the same bytes.
 
 The mode is explicit, resettable state: :func:`set_promotion_mode` and the
 :func:`promotion_mode` context manager (which always restores the previous
@@ -36,7 +40,7 @@ from typing import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ._redistribute import redistribute_local
 from ._torch_compat import Function, dynamo_frame_hook_active, eval_frame_callback, pytree, storage_key
@@ -117,22 +121,64 @@ def _needs_promotion(x, ShardTensor) -> bool:
 
 
 class Promote(Function):
-    """Plain tensor -> Replicate ShardTensor; gradient summed over the mesh."""
+    """Plain tensors of one call -> Replicate ShardTensors; their gradients summed over the mesh together.
+
+    ``Promote.apply(mesh, *plains)`` returns one view per tensor (the view
+    itself for one tensor). Backward reduces every gradient that is a pending
+    sum of the same kind in one collective over their concatenation
+    (:func:`_summed`): the bytes of separate reductions, in fewer messages.
+    """
 
     @staticmethod
-    def forward(plain, mesh):
-        return shard_tensor_cls()(plain.detach(), _replicated_spec(mesh, plain), requires_grad=False)
+    def forward(mesh, *plains):
+        views = tuple(_replicated_view(p, mesh) for p in plains)
+        return views[0] if len(views) == 1 else views
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec = output._spec
+        ctx.specs = (output._spec,) if isinstance(output, torch.Tensor) else tuple(o._spec for o in output)
+        ctx.set_materialize_grads(False)  # a view whose gradient never came needs no zeros
 
     @staticmethod
-    def backward(ctx, grad):
-        ShardTensor = shard_tensor_cls()
-        if not isinstance(grad, ShardTensor):
-            return grad, None
-        return redistribute_local(grad._local_tensor, grad._spec, ctx.spec), None
+    def backward(ctx, *grads):
+        return (None, *_summed(grads, ctx.specs))
+
+
+def _replicated_view(plain, mesh):
+    """``plain`` as a Replicate ShardTensor (aliasing its memory; no autograd node)."""
+    return shard_tensor_cls()(plain.detach(), _replicated_spec(mesh, plain), requires_grad=False)
+
+
+def _summed(grads, specs) -> list:
+    """Each gradient of :class:`Promote`'s views as a plain tensor in the view's layout (whole on every rank).
+
+    Gradients that are pending sums with the same placements (the usual case:
+    a layer's weight and bias after a contraction over sharded rows) are
+    concatenated and reduced in one collective, in the order of the views, so
+    every rank issues the same collectives; any other layout is moved alone.
+    """
+    ShardTensor = shard_tensor_cls()
+    out = list(grads)
+    pools: dict = {}
+    for i, g in enumerate(grads):
+        if not isinstance(g, ShardTensor):
+            continue  # no gradient, or a plain one (already whole)
+        if all(isinstance(p, (Partial, Replicate)) for p in g._spec.placements) and g._spec.placements != specs[i].placements:
+            pools.setdefault((g._spec.placements, g._local_tensor.dtype), []).append(i)
+        else:
+            out[i] = redistribute_local(g._local_tensor, g._spec, specs[i])
+    for (placements, dtype), members in pools.items():
+        if len(members) == 1:
+            i = members[0]
+            out[i] = redistribute_local(grads[i]._local_tensor, grads[i]._spec, specs[i])
+            continue
+        flat = torch.cat([grads[i]._local_tensor.reshape(-1) for i in members])
+        mesh = specs[members[0]].mesh
+        pending = ShardTensorSpec.chunked(mesh, placements, (flat.numel(),), dtype)
+        whole = redistribute_local(flat, pending, ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, (flat.numel(),), dtype))
+        for i, part in zip(members, whole.split([grads[i]._local_tensor.numel() for i in members])):
+            out[i] = part.view(grads[i]._local_tensor.shape)
+    return out
 
 
 _SPECS: dict = {}
@@ -196,7 +242,7 @@ def promote(plain: torch.Tensor, mesh) -> "torch.Tensor":
     without a version counter (inference mode) are never cached.
     """
     if not (plain.requires_grad and torch.is_grad_enabled()):
-        return Promote.forward(plain, mesh)
+        return _replicated_view(plain, mesh)
     key = id(plain)
     entry = _PROMOTED.get(key)
     # A kept entry's tensor passed the checks below when it was kept (leaf, type and inference mode do not change).
@@ -205,22 +251,80 @@ def promote(plain: torch.Tensor, mesh) -> "torch.Tensor":
         and entry[2] == (storage_key(plain), plain.storage_offset()) and eval_frame_callback() is None
     ):
         return entry[4]
-    if (
-        not plain.is_leaf or type(plain) not in (torch.Tensor, torch.nn.Parameter)
-        or plain.is_inference() or dynamo_frame_hook_active()
-    ):
-        return Promote.apply(plain, mesh)
+    if not _keepable(plain):
+        return Promote.apply(mesh, plain)
     version, where = plain._version, (storage_key(plain), plain.storage_offset())
-    out = Promote.apply(plain, mesh)
+    out = Promote.apply(mesh, plain)
     ref = weakref.ref(plain, lambda ref, key=key: _forget(key, ref))
-    # Kept until the backward pass reaches the node: the next forward makes a
-    # new one, so the engine runs it where it belongs in the new graph.
-    out.grad_fn.register_prehook(lambda grad_outputs, key=key, ref=ref: _forget(key, ref))
-    _PROMOTED[key] = (ref, version, where, mesh, out)
+    _keep(key, (ref, version, where, mesh, out), out.grad_fn, ref)
+    return out
+
+
+def _keepable(plain) -> bool:
+    """Whether a promoted view of ``plain`` may be kept (see :func:`promote`)."""
+    return (
+        plain.is_leaf and type(plain) in (torch.Tensor, torch.nn.Parameter)
+        and not plain.is_inference() and not dynamo_frame_hook_active()
+    )
+
+
+def _keep(key, entry, node, ref) -> None:
+    """Keep ``entry`` under ``key`` until the backward pass reaches ``node`` (the next forward makes a new one,
+    so the engine runs it where it belongs in the new graph), or until ``ref``'s tensor dies."""
+    node.register_prehook(lambda grad_outputs, key=key, ref=ref: _forget(key, ref))
+    _PROMOTED[key] = entry
     _PROMOTED.move_to_end(key)
     while len(_PROMOTED) > _CACHE_SIZE:
         _PROMOTED.popitem(last=False)
-    return out
+
+
+def promote_together(plains, mesh) -> tuple:
+    """:func:`promote` for the plain tensors of one call: one node, one reduction of their gradients.
+
+    Kept and handed out again like a single promoted view, while every tensor
+    is unchanged and the call passes the same tensors in the same order (a
+    tensor given twice gets two views of one node; autograd sums their
+    gradients). Tensors without a gradient to track are wrapped alone; under
+    ``torch.compile`` each tensor gets its own node (what Dynamo traces is the
+    single-tensor step).
+    """
+    key = tuple(map(id, plains))
+    entry = _PROMOTED.get(key)
+    if entry is not None and entry[3] is mesh and _unchanged(entry, plains) and eval_frame_callback() is None:
+        return entry[4]
+    if not torch.is_grad_enabled() or dynamo_frame_hook_active():
+        return tuple(promote(p, mesh) for p in plains)
+    tracked = tuple(p for p in plains if p.requires_grad)
+    if len(tracked) < 2:
+        return tuple(promote(p, mesh) for p in plains)
+    if len(tracked) < len(plains):
+        views = iter(promote_together(tracked, mesh))
+        return tuple(next(views) if p.requires_grad else _replicated_view(p, mesh) for p in plains)
+    stamps = tuple(_stamp(p) for p in plains)
+    views = Promote.apply(mesh, *plains)
+    if all(_keepable(p) for p in plains):
+        ref = weakref.ref(plains[0], lambda ref, key=key: _forget(key, ref))
+        others = tuple(weakref.ref(p, lambda _, key=key, ref=ref: _forget(key, ref)) for p in plains[1:])
+        _keep(key, (ref, others, stamps, mesh, views), views[0].grad_fn, ref)
+    return views
+
+
+def _stamp(plain) -> tuple:
+    """What identifies ``plain``'s current values: version counter and storage (see :data:`_PROMOTED`)."""
+    return plain._version, storage_key(plain), plain.storage_offset()
+
+
+def _unchanged(entry, plains) -> bool:
+    """Whether the tensors of a kept :func:`promote_together` entry are ``plains``, unchanged."""
+    if entry[0]() is not plains[0]:
+        return False
+    for ref, p in zip(entry[1], plains[1:]):
+        if ref() is not p:
+            return False
+    for stamp, p in zip(entry[2], plains):
+        if stamp != (p._version, storage_key(p), p.storage_offset()):
+            return False
+    return True
 
 
 def _top_level(func, args, kwargs, ShardTensor):
@@ -231,7 +335,7 @@ def _top_level(func, args, kwargs, ShardTensor):
     SILENT mode that are not the destination of an in-place write. Scalars
     (0-dim plain tensors without grad) are left alone, as everywhere.
     """
-    mesh, plain = None, False
+    mesh, plain = None, 0
     for a in (*args, *kwargs.values()) if kwargs else args:
         if type(a) is ShardTensor:
             if mesh is None:
@@ -241,7 +345,8 @@ def _top_level(func, args, kwargs, ShardTensor):
         elif isinstance(a, torch.Tensor):
             if isinstance(a, DTensor):
                 return None
-            plain = plain or a.ndim > 0 or a.requires_grad
+            if a.ndim > 0 or a.requires_grad:
+                plain += 1
         elif isinstance(a, (list, tuple, dict)):
             return None
     if not plain:
@@ -250,6 +355,11 @@ def _top_level(func, args, kwargs, ShardTensor):
         args and type(args[0]) is not ShardTensor and _writes_into_plain(func, args, ShardTensor)
     ):
         return None
+    if plain > 1:  # a layer's weight and bias: promoted together
+        if not kwargs:
+            return tuple(_promote_all(args, mesh, ShardTensor)), kwargs
+        values = _promote_all((*args, *kwargs.values()), mesh, ShardTensor)
+        return tuple(values[: len(args)]), dict(zip(kwargs, values[len(args) :]))
     # A list, not a generator, and the test of _promoted inlined: this runs on every op with a plain weight.
     args = tuple([
         promote(a, mesh) if type(a) is not ShardTensor and isinstance(a, torch.Tensor) and (a.ndim > 0 or a.requires_grad)
@@ -266,6 +376,20 @@ def _promoted(a, mesh, ShardTensor):
     if isinstance(a, torch.Tensor) and type(a) is not ShardTensor and (a.ndim > 0 or a.requires_grad):
         return promote(a, mesh)
     return a
+
+
+def _promote_all(values, mesh, ShardTensor) -> list:
+    """``values`` with every plain tensor that needs it promoted, all of them by one :func:`promote_together`."""
+    plains = tuple(
+        a for a in values
+        if isinstance(a, torch.Tensor) and not isinstance(a, ShardTensor) and (a.ndim > 0 or a.requires_grad)
+    )
+    views = iter(promote_together(plains, mesh))
+    return [
+        next(views) if isinstance(a, torch.Tensor) and not isinstance(a, ShardTensor) and (a.ndim > 0 or a.requires_grad)
+        else a
+        for a in values
+    ]
 
 
 def promote_args(func, args, kwargs):
@@ -314,8 +438,8 @@ def promote_args(func, args, kwargs):
                     "Replicate on the ShardTensor's mesh",
                     stacklevel=4,
                 )
-            out.append(promote(x, mesh))
-    return pytree.tree_unflatten(out, spec)
+            out.append(x)
+    return pytree.tree_unflatten(_promote_all(out, mesh, ShardTensor), spec)
 
 
 def _writes_into_plain(func, args, ShardTensor) -> bool:

@@ -190,7 +190,10 @@ def test_same_conv_along_one_sharded_dim_corrects_the_seams(ctx):
     with count_collectives() as bwd:
         out.backward(shard_from_global(gout, out._spec))
     assert fwd.calls == {"halo": 1}
-    assert bwd.calls == {"halo": 1, "all_reduce": 2}  # the mirror exchange; the weight and bias gradients summed
+    # The mirror exchange; the weight and bias gradients summed in one reduction (a ring all-reduce of both).
+    assert bwd.calls == {"halo": 1, "all_reduce": 1}
+    P, nbytes = ctx.world_size, (w.numel() + b.numel()) * w.element_size()
+    assert bwd.bytes_sent["all_reduce"] == 2 * (P - 1) * nbytes // P
     xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
     ref = F.conv2d(xr, wr, br, padding=2)
     ref.backward(gout)

@@ -155,9 +155,14 @@ def _summed(grads, specs) -> list:
     Gradients that are pending sums with the same placements (the usual case:
     a layer's weight and bias after a contraction over sharded rows) are
     concatenated and reduced in one collective, in the order of the views, so
-    every rank issues the same collectives; any other layout is moved alone.
+    every rank issues the same collectives; any other layout is moved alone,
+    and so is every gradient where the sum is over one rank (nothing moves,
+    and packing would only copy).
     """
     ShardTensor = shard_tensor_cls()
+    if len(grads) == 1:  # one tensor promoted (``x @ w``): nothing to pool
+        g = grads[0]
+        return [redistribute_local(g._local_tensor, g._spec, specs[0]) if isinstance(g, ShardTensor) else g]
     out = list(grads)
     pools: dict = {}
     for i, g in enumerate(grads):
@@ -168,17 +173,29 @@ def _summed(grads, specs) -> list:
         else:
             out[i] = redistribute_local(g._local_tensor, g._spec, specs[i])
     for (placements, dtype), members in pools.items():
-        if len(members) == 1:
-            i = members[0]
-            out[i] = redistribute_local(grads[i]._local_tensor, grads[i]._spec, specs[i])
+        mesh = specs[members[0]].mesh
+        if len(members) == 1 or all(mesh.size(m) == 1 for m, p in enumerate(placements) if isinstance(p, Partial)):
+            for i in members:  # one tensor, or one rank (nothing is summed): no buffer to pack
+                out[i] = redistribute_local(grads[i]._local_tensor, grads[i]._spec, specs[i])
             continue
         flat = torch.cat([grads[i]._local_tensor.reshape(-1) for i in members])
-        mesh = specs[members[0]].mesh
-        pending = ShardTensorSpec.chunked(mesh, placements, (flat.numel(),), dtype)
-        whole = redistribute_local(flat, pending, ShardTensorSpec.chunked(mesh, (Replicate(),) * mesh.ndim, (flat.numel(),), dtype))
-        for i, part in zip(members, whole.split([grads[i]._local_tensor.numel() for i in members])):
+        whole = redistribute_local(flat, *_flat_specs(mesh, placements, flat.numel(), dtype))
+        for i, part in zip(members, whole.split_with_sizes([grads[i]._local_tensor.numel() for i in members])):
             out[i] = part.view(grads[i]._local_tensor.shape)
     return out
+
+
+def _flat_specs(mesh, placements, numel: int, dtype) -> tuple:
+    """Specs of a 1-D buffer of ``numel`` elements: with ``placements`` (pending sums) and replicated (memoised)."""
+    key = (id(mesh), placements, numel, dtype)
+    hit = _SPECS.get(key)
+    if hit is not None and hit[0].mesh is mesh:
+        return hit
+    specs = tuple(ShardTensorSpec.chunked(mesh, p, (numel,), dtype) for p in (placements, (Replicate(),) * mesh.ndim))
+    if len(_SPECS) >= _CACHE_SIZE:
+        _SPECS.clear()
+    _SPECS[key] = specs
+    return specs
 
 
 _SPECS: dict = {}

@@ -67,6 +67,8 @@ def test_the_cases_the_issue_asks_for_are_measured(report):
     assert has("comm_volume", 4, "ring attention") and has("comm_volume", 4, "mean over the sharded dim")
     assert has("comm_volume", 4, "Shard(0)->Shard(1)", "DTensor")
     assert has("dispatch_overhead", 4, "ShardTensor even / DTensor")
+    # issue 15: the least a Python subclass costs for x @ w, both designs, against DTensor's C++ path
+    assert has("dispatch_overhead", 2, "x @ w: floor", "Python Function") and has("dispatch_overhead", 2, "floor", "C++ autograd")
     for model in ("conv net", "transformer block"):
         for kind in ("strong", "weak"):
             assert has("memory_scaling", 4, model, kind) and has("throughput_scaling", 4, model, kind)

@@ -57,8 +57,9 @@ def test_weight_and_bias_are_reduced_in_one_collective(ctx):
             assert type(got) is torch.Tensor and torch.equal(got, want)
         with count_collectives() as alone:  # the weight without a bias: the collectives of one tensor
             _backward(F.linear(x, w))
-        assert bwd.calls == alone.calls and set(bwd.calls) == {"all_reduce"}, bwd.summary()
-        assert bwd.bytes_sent.get("all_reduce", 0) == _ring_bytes(ctx, w, b)
+        assert set(bwd.calls) == {"all_reduce"} and bwd.bytes_sent["all_reduce"] == _ring_bytes(ctx, w, b)
+        if ctx.world_size > 1:  # (on one rank nothing is summed: each tensor's no-op call is left alone)
+            assert bwd.calls == alone.calls, bwd.summary()
         for t in (w, b, rw, rb):
             t.grad = None
 

@@ -167,8 +167,9 @@ def test_linear_issues_no_forward_communication(ctx):
             y.backward(torch.ones_like(y))
         assert set(bwd.calls) <= {"all_reduce"}, bwd.summary()
         # one all-reduce per mesh dim that shards the input: the weight and bias gradients together
+        # (on one rank, where nothing is summed, one no-op call per parameter)
         sharded_mesh_dims = sum(p.is_shard() for p in placements)
-        assert bwd.total_calls == sharded_mesh_dims, bwd.summary()
+        assert bwd.total_calls == (1 if mesh.size() > 1 else 2) * sharded_mesh_dims, bwd.summary()
         layer.zero_grad()
 
 

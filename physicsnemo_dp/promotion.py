@@ -48,7 +48,7 @@ from .errors import PlacementError, PromotionError
 from .rule_kit import shard_tensor_cls
 from .spec import ShardTensorSpec
 
-__all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode", "promote"]
+__all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode", "promote", "promote_together"]
 
 
 class TensorPromotionMode(enum.Enum):

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from physicsnemo_dp import ShardTensor
+from physicsnemo_dp._torch_compat import make_wrapper_subclass, torch_function_disabled
 from physicsnemo_dp.collectives import mesh_device
 
 from ._timing import fastest, repeated
@@ -43,15 +44,15 @@ class _Bare(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local):
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, local.shape, strides=local.stride(), dtype=local.dtype, device=local.device, requires_grad=False
+        out = make_wrapper_subclass(
+            cls, local.shape, stride=local.stride(), dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local = local
         return out
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch_function_disabled():
             return func(*args, **(kwargs or {}))
 
     @classmethod

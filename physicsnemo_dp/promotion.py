@@ -161,8 +161,7 @@ def _summed(grads, specs) -> list:
     """
     ShardTensor = shard_tensor_cls()
     if len(grads) == 1:  # one tensor promoted (``x @ w``): nothing to pool
-        g = grads[0]
-        return [redistribute_local(g._local_tensor, g._spec, specs[0]) if isinstance(g, ShardTensor) else g]
+        return [_whole(grads[0], specs[0]) if isinstance(grads[0], ShardTensor) else grads[0]]
     out = list(grads)
     pools: dict = {}
     for i, g in enumerate(grads):
@@ -171,18 +170,23 @@ def _summed(grads, specs) -> list:
         if all(isinstance(p, (Partial, Replicate)) for p in g._spec.placements) and g._spec.placements != specs[i].placements:
             pools.setdefault((g._spec.placements, g._local_tensor.dtype), []).append(i)
         else:
-            out[i] = redistribute_local(g._local_tensor, g._spec, specs[i])
+            out[i] = _whole(g, specs[i])
     for (placements, dtype), members in pools.items():
         mesh = specs[members[0]].mesh
         if len(members) == 1 or all(mesh.size(m) == 1 for m, p in enumerate(placements) if isinstance(p, Partial)):
             for i in members:  # one tensor, or one rank (nothing is summed): no buffer to pack
-                out[i] = redistribute_local(grads[i]._local_tensor, grads[i]._spec, specs[i])
+                out[i] = _whole(grads[i], specs[i])
             continue
         flat = torch.cat([grads[i]._local_tensor.reshape(-1) for i in members])
         whole = redistribute_local(flat, *_flat_specs(mesh, placements, flat.numel(), dtype))
         for i, part in zip(members, whole.split_with_sizes([grads[i]._local_tensor.numel() for i in members])):
             out[i] = part.view(grads[i]._local_tensor.shape)
     return out
+
+
+def _whole(grad, spec) -> torch.Tensor:
+    """The local tensor of the ShardTensor ``grad`` moved to ``spec``'s layout (Replicate: the whole value)."""
+    return redistribute_local(grad._local_tensor, grad._spec, spec)
 
 
 def _flat_specs(mesh, placements, numel: int, dtype) -> tuple:

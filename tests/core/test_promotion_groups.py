@@ -102,3 +102,38 @@ def test_kept_together_while_unchanged(ctx):
     again = promote_together((w, b), ctx.mesh)
     assert again[0] is not first[0] and again[1] is not first[1]  # b changed: promoted afresh
     assert torch.equal(again[1].full_tensor(), b.detach())
+
+
+@distributed(world_sizes=(1, 3, 4))
+def test_dtypes_strided_scalar_parameters_and_an_empty_shard(ctx):
+    """float32 and mixed-dtype pools, a transposed (non-contiguous) weight, a 0-dim weight, a rank with no rows."""
+    rows = 2 if ctx.world_size >= 3 else 9  # on 3 and 4 ranks some rank holds no row
+    X = integer_tensor((rows, 4), seed=1, dtype=torch.float32)
+    spec = make_spec(ctx.mesh, (Shard(0),) * ctx.mesh.ndim, X.shape, dtype=torch.float32)
+    x = shard_from_global(X, spec)
+    W = integer_tensor((4, 3), seed=2, dtype=torch.float32)
+    cases = {
+        "float32, transposed weight": lambda: (torch.nn.Parameter(W.t()), torch.nn.Parameter(W[0, :3].clone())),
+        "0-dim weight, float32 bias": lambda: (torch.nn.Parameter(torch.tensor(3.0)), torch.nn.Parameter(W[:, 0].clone())),
+        "float64 weight, float32 bias": lambda: (torch.nn.Parameter(W.t().double()), torch.nn.Parameter(W[0, :3].clone())),
+    }
+    ops = {
+        "float32, transposed weight": lambda x, w, b: F.linear(x, w, b),
+        "0-dim weight, float32 bias": lambda x, w, b: torch.addcmul(b, x, w),
+        "float64 weight, float32 bias": lambda x, w, b: F.linear(x.double(), w) + b,  # separate calls: no pool
+    }
+    for name, make in cases.items():
+        w, b = make()
+        rw, rb = (torch.nn.Parameter(t.detach().clone()) for t in (w, b))
+        assert not w.is_contiguous() or w.ndim != 2
+        _backward(ops[name](x, w, b))
+        _backward(ops[name](X, rw, rb))
+        for got, want in ((w.grad, rw.grad), (b.grad, rb.grad)):
+            assert type(got) is torch.Tensor and got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(got, want), name
+    # a pool of two dtypes in one call: each dtype reduced on its own, both exact
+    w64, b32 = torch.nn.Parameter(W[:, 0].double()), torch.nn.Parameter(W[:, 1].clone())
+    r64, r32 = (torch.nn.Parameter(t.detach().clone()) for t in (w64, b32))
+    _backward(torch.addcmul(b32, x, w64))
+    _backward(torch.addcmul(r32, X, r64))
+    assert w64.grad.dtype == torch.float64 and torch.equal(w64.grad, r64.grad) and torch.equal(b32.grad, r32.grad)

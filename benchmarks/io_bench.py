@@ -8,7 +8,10 @@ optionally gzip on the same chunks) every rank reads its slab of every
 sample, first with a bare loop of ``Dataset.read_direct`` into preallocated
 buffers (the floor the pipe is compared with), then with :class:`DomainPipe`
 reading in the caller (``prefetch=0``), in a background thread and in a
-reader process. Reported per rank and mode:
+reader process (adaptive: reading ahead only while the consumer's step can
+hide a read), and in the two background readers with ``adaptive_prefetch=False``
+(``-always``). Each measured regime (no step, each step kind) has its own
+pipe, as a training run's consumer keeps one regime. Reported per rank and mode:
 
 * ``ratio``: pipe throughput / bare throughput with nothing else to do (1.0 =
   as fast as bare reads; the target is >= 0.9);
@@ -58,7 +61,10 @@ from benchmarks._timing import fastest, fastest_by  # noqa: E402
 
 VARIABLES = ("u0", "u")
 MODES = {"inline": dict(prefetch=0), "thread": dict(prefetch=2, workers="thread"),
-         "process": dict(prefetch=2, workers="process")}
+         "process": dict(prefetch=2, workers="process"),
+         # reading ahead even with nothing to hide behind: what the adaptive default avoids
+         "thread-always": dict(prefetch=2, workers="thread", adaptive_prefetch=False),
+         "process-always": dict(prefetch=2, workers="process", adaptive_prefetch=False)}
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -70,7 +76,7 @@ def _args(argv=None) -> argparse.Namespace:
                         choices=["contiguous", "chunked", "gzip"])
     parser.add_argument("--epochs", type=int, default=5, help="timed epochs per measurement (the fastest counts)")
     parser.add_argument("--step-ms", type=float, default=None,
-                        help="simulated training step per batch (default: about the bare read time)")
+                        help="simulated training step per batch (default: the bare read time of a batch, times the ranks per core)")
     parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=STEPS,
                         help="simulated training steps to run with each mode (none: throughput only)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the files (default: a temp dir)")
@@ -139,19 +145,34 @@ def _steady_step(batches, step: tuple) -> float:
 def _overlap(pipes: dict, memory: list, kinds, step_s: float, other, epochs: int) -> dict:
     """``{kind: {"memory" or mode: seconds}}``: steady step time on data in memory and with each prefetching pipe.
 
+    ``pipes`` maps ``(mode, kind)`` to the pipe that runs that step kind.
     Fastest of ``epochs`` interleaved epochs, all ranks starting together.
     """
     best: dict = {kind: {} for kind in kinds}
-    sources = {"memory": memory, **{m: p for m, p in pipes.items() if m != "inline"}}
     for round_ in range(epochs + 1):  # the first round warms up
         for kind in kinds:
             step = (kind, step_s, other, np.empty(1 << 16))
+            sources = {"memory": memory, **{m: p for (m, k), p in pipes.items() if k == kind and m != "inline"}}
             for name, batches in sources.items():
                 dist.barrier()
                 seconds = _steady_step(batches, step)
                 if round_:
                     best[kind][name] = min(best[kind].get(name, seconds), seconds)
     return best
+
+
+def _ranks_per_core(mesh) -> int:
+    """How many ranks of this machine share a core when all read at once (at least 1).
+
+    The bare read time is a rank's fastest epoch, in which it rarely had to
+    share a core; with more ranks than cores every rank's reader gets only a
+    share, so a batch's reads for all ranks take this many times longer. A
+    simulated step shorter than that leaves no time to hide the reads in,
+    whatever the reader: the cores are busy reading.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size()))  # ranks on this machine
+    return max(1, -(-local // cores))
 
 
 def _cpu_seconds() -> float:
@@ -172,7 +193,8 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
 
     ``args`` needs ``epochs``, ``step_ms`` and ``steps`` (the simulated step
     kinds to run; none for the plain throughput comparison), optionally
-    ``step_factor`` (the step lasts that many bare reads of a batch when
+    ``step_factor`` (the step lasts that many bare reads of a batch, times
+    the ranks per core (see :func:`_ranks_per_core`), when
     ``step_ms`` is None; default 1); ``scratch`` is a path prefix for the
     file the ``h5py`` step reads. With steps, each prefetching mode also
     reports ``<kind>_steady_step_ms`` (a step's time once the first batch is
@@ -189,23 +211,26 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
         samples = list(range(len(source)))
         slab_bytes = len(VARIABLES) * int(np.prod([s.stop - s.start for s in box])) * 4 * len(samples)
         buffers = [np.empty(tuple(s.stop - s.start for s in box), np.float32) for _ in VARIABLES]
-        pipes = {mode: DomainPipe(source, mesh, shuffle=False, **options) for mode, options in MODES.items()}
+        pipes = {(mode, kind): DomainPipe(source, mesh, shuffle=False, **options)
+                 for mode, options in MODES.items() for kind in (None, *args.steps)}
         with h5py.File(path, "r") as f, h5py.File(f"{scratch}.rank{rank}.h5", "r") as other:
             dsets = [f[v] for v in VARIABLES]
             runs = {"bare": partial(_bare_epoch, dsets, buffers, box, samples)}
             bare = fastest(runs, args.epochs)["bare"]
-            factor = getattr(args, "step_factor", 1.0)
+            factor = getattr(args, "step_factor", 1.0) * _ranks_per_core(mesh)
             step_s = (args.step_ms / 1000) if args.step_ms is not None else factor * bare / len(samples)
-            for mode, pipe in pipes.items():
-                runs[mode] = partial(_pipe_epoch, pipe, None)
-                for kind in args.steps:
+            for (mode, kind), pipe in pipes.items():
+                if kind is None:
+                    runs[mode] = partial(_pipe_epoch, pipe, None)
+                else:
                     runs[f"{mode}+{kind}"] = partial(_pipe_epoch, pipe, (kind, step_s, other["x"], np.empty(1 << 16)))
             timed = fastest_by(runs, args.epochs, (time.perf_counter, _cpu_seconds))
             best = {name: wall for name, (wall, _) in timed.items()}
             cpu = {name: used for name, (_, used) in timed.items()}
             memory = [[b.copy() for b in buffers] for _ in samples]  # the data "already in memory"
             kinds = args.steps if len(samples) > 1 else ()  # a steady step needs a batch after the first
-            overlap = _overlap(pipes, memory, kinds, step_s, other["x"], args.epochs)
+            overlap = _overlap({(m, k): p for (m, k), p in pipes.items() if k is not None},
+                               memory, kinds, step_s, other["x"], args.epochs)
         for pipe in pipes.values():
             pipe.close()
         bare = best["bare"]

@@ -76,11 +76,25 @@ class Buffer:
         if self._shm is not None:
             self._shm.unlink()
             self.memory = None
-            try:
-                self._shm.close()
-            except BufferError:  # a user still holds a view: the mapping lives until that view dies
-                pass
+            _unmapped.append(self._shm)
             self._shm = None
+        _unmap_unviewed()
+
+
+#: Shared memory unlinked but maybe still mapped. Unmapping fails while a view
+#: of it lives, and it does while a batch's finalizer runs (the last array
+#: releases its memory only after its weakref callbacks); retried at every free.
+_unmapped: list[shared_memory.SharedMemory] = []
+
+
+def _unmap_unviewed() -> None:
+    """Unmap every unlinked shared block that no view uses any more."""
+    for shm in list(_unmapped):
+        try:
+            shm.close()
+        except BufferError:
+            continue
+        _unmapped.remove(shm)
 
 
 class BufferPool:
@@ -131,6 +145,13 @@ class BufferPool:
         arrays = {s.name: owner[s.offset : s.offset + s.nbytes].view(np.dtype(s.dtype)).reshape(s.shape) for s in specs}
         weakref.finalize(owner, self.release, buf)
         return arrays
+
+    def trim(self) -> None:
+        """Free every idle buffer (the pipe stopped using this pool for now); the pool stays usable."""
+        with self._lock:
+            idle, self._free = self._free, []
+            for buf in idle:
+                self._drop(buf)
 
     def take_freed_names(self) -> tuple[str, ...]:
         """Names of shared buffers freed since the last call (a reader process detaches them)."""

@@ -9,7 +9,9 @@ What a rank does per batch, and why no communication is needed:
    gives this rank's box (plus halo) and every other rank's shape.
 3. A reader (in-process, thread, or a forked process) reads the box of every
    variable of every sample straight into a pooled buffer and applies the
-   transforms there (:mod:`datapipes.prefetch`), ``prefetch`` batches ahead.
+   transforms there (:mod:`datapipes.prefetch`), ``prefetch`` batches ahead
+   while the consumer's step leaves time to hide a read behind, in the caller
+   when it does not (:mod:`datapipes._pacing`).
 4. The buffer is wrapped without a copy, moved to the device, and each
    variable becomes ``ShardTensor.from_local(..., sharding_shapes=...)`` with
    the shapes from step 2: no collective is issued. The layout of a batch
@@ -25,6 +27,7 @@ splits. Each ddp group holds different samples, as DDP expects.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import deque
 from functools import lru_cache
@@ -39,9 +42,10 @@ from physicsnemo_dp import ShardTensor, ShardTensorSpec
 
 from ._axes import MeshAxes
 from ._buffers import BufferPool, layout_arrays
+from ._pacing import ReadAhead
 from .decomposition import DomainDecomposition
 from .errors import DataPipeError
-from .prefetch import ReadTask, make_reader
+from .prefetch import ReadTask, make_reader, timed_fill
 from .sampler import SampleOrder
 from .source import Source, Split
 
@@ -83,9 +87,15 @@ class DomainPipe:
         sizes: explicit shard sizes per mesh dim (default: the split rule).
         transforms: callables ``f(tensors)`` run by the reader on each batch's
             halo-padded local tensors, in place (e.g. :class:`~datapipes.statistics.Normalize`).
-        prefetch: batches read ahead in the background; 0 reads in the caller.
+        prefetch: batches read in the background while the consumer holds the
+            current one; 0 reads in the caller.
         workers: ``"process"`` (default; one forked reader per rank, not
             serialized by h5py's lock) or ``"thread"``.
+        adaptive_prefetch: read ahead only while the consumer keeps each batch
+            long enough for a read to hide behind (at least a quarter of a
+            read's time), and read in the caller while it asks again at once,
+            where reading ahead could hide nothing and only costs its hand-off
+            (see :mod:`datapipes._pacing`). False reads ahead always.
         device: where batches go (default: the mesh's device type).
         validate: raise :class:`~datapipes.errors.InvalidValuesError` on NaN/inf.
         ddp_dim: name of the mesh dim that splits samples.
@@ -97,8 +107,8 @@ class DomainPipe:
     def __init__(self, source: Source, mesh: DeviceMesh, *, batch_size: int = 1, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, split_dims: Sequence[int] | None = None,
                  halo: int | Sequence[int] = 0, sizes=None, transforms: Sequence[Callable] = (),
-                 prefetch: int = 2, workers: str = "process", device=None, validate: bool = False,
-                 ddp_dim: str = "ddp"):
+                 prefetch: int = 2, workers: str = "process", adaptive_prefetch: bool = True, device=None,
+                 validate: bool = False, ddp_dim: str = "ddp"):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         if workers not in ("process", "thread"):
@@ -122,10 +132,15 @@ class DomainPipe:
         self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
         self._seq = 0
-        # in flight, plus the batch the consumer holds and the one the iterator hands out next
+        self._pace = ReadAhead(enabled=adaptive_prefetch)
+        # in flight, plus the batch the consumer holds and the one it has just dropped
         self._pool = BufferPool(shared=self.workers == "process", max_idle=self.prefetch + 2)
+        # reads in the caller: the batch being read and the one the consumer holds. Private memory
+        # (huge pages) even when the reader process needs shared memory: see datapipes._pacing.
+        self._own_pool = BufferPool(shared=False, max_idle=2) if self._pool.shared else self._pool
         self._reader: list = [None]  # started by the first iteration; a list so the finalizer sees it
-        self._closer = weakref.finalize(self, _close, self._pool, self._reader)
+        self._label = ""  # this rank in validation errors, set by the first iteration
+        self._closer = weakref.finalize(self, _close, (self._pool, self._own_pool), self._reader)
         self._layouts: dict[tuple, _Layout] = {}  # see _layout
         self.decompose(0)  # a bad split fails here, not in the first batch
 
@@ -146,6 +161,11 @@ class DomainPipe:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def reading_ahead(self) -> bool:
+        """Whether the next batches are read in the background (else in the caller, when asked)."""
+        return self.workers != "inline" and self._pace.ahead
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order. Switching epochs restarts at the first batch; the same epoch keeps its position."""
@@ -177,19 +197,37 @@ class DomainPipe:
         submitted = start
         try:
             for k in range(start, len(batches)):
-                while submitted < len(batches) and len(inflight) < max(1, self.prefetch):
+                ahead = self.reading_ahead
+                if ahead and not inflight:  # the first batch, or the first after reads in the caller
                     inflight.append(self._submit(reader, batches[submitted]))
                     submitted += 1
-                task, buffer, layout = inflight.popleft()
+                if inflight:  # in order: reads in the caller start only once none is in flight
+                    task, buffer, layout = inflight.popleft()
+                    pool, run = self._pool, reader.result
+                else:
+                    task, buffer, layout = self._task(batches[submitted], self._own_pool)
+                    submitted += 1
+                    pool, run = self._own_pool, self._reader_in_caller(task, buffer)
                 try:
-                    self.bytes_read += reader.result()
+                    nbytes, seconds = run()
                 except BaseException:
-                    self._pool.release(buffer)
+                    pool.release(buffer)
                     raise
-                batch = self._wrap(task, buffer, layout)
+                self.bytes_read += nbytes
+                self._pace.observe_read(seconds)
+                batch = self._wrap(task, pool.hand_out(buffer, task.arrays), layout)
+                # the next reads start now, once this batch is ready: they overlap with the consumer's step,
+                # and waking the reader does not delay the hand-out
+                while ahead and submitted < len(batches) and len(inflight) < self.prefetch:
+                    inflight.append(self._submit(reader, batches[submitted]))
+                    submitted += 1
                 self._position = k + 1
+                handed = time.perf_counter()
                 yield batch
                 del batch  # the frame must not keep the consumer's last batch (and its buffer) alive
+                self._pace.observe_gap(time.perf_counter() - handed)
+                if ahead != self.reading_ahead and self._own_pool is not self._pool:
+                    (self._own_pool if self.reading_ahead else self._pool).trim()  # the idle buffers of the mode left
             self._epoch, self._position = epoch + 1, 0
         finally:
             self._drain(reader, inflight)
@@ -206,11 +244,17 @@ class DomainPipe:
 
     # ---------------------------------------------------------- internals
     def _start_reader(self):
+        """The background reader (started once; None for ``prefetch=0``)."""
         if not self._closer.alive:
             raise RuntimeError("this DomainPipe is closed")
-        if self._reader[0] is None:
-            self._reader[0] = make_reader(self.workers, self.source, self.transforms, self.validate, self._rank_label())
+        if not self._label:
+            self._label = self._rank_label()
+        if self._reader[0] is None and self.workers != "inline":
+            self._reader[0] = make_reader(self.workers, self.source, self.transforms, self.validate, self._label)
         return self._reader[0]
+
+    def _reader_in_caller(self, task: ReadTask, buffer) -> Callable[[], tuple[int, float]]:
+        return lambda: timed_fill(self.source, task, buffer.memory, self.transforms, self.validate, self._label)
 
     def _rank_label(self) -> str:
         """This rank as validation errors name it: global rank, then its ddp and domain coordinates."""
@@ -218,13 +262,18 @@ class DomainPipe:
         return f"{rank} (ddp {self.axes.ddp_rank}, domain {','.join(map(str, self.axes.domain_coord))})"
 
     def _submit(self, reader, samples: tuple[int, ...]):
+        """Hand the read of ``samples`` to the background reader."""
+        task, buffer, layout = self._task(samples, self._pool, self._pool.take_freed_names())
+        reader.submit(task, buffer.memory)
+        return task, buffer, layout
+
+    def _task(self, samples: tuple[int, ...], pool: BufferPool, detach: tuple[str, ...] = ()):
+        """The read of ``samples``: its task, a buffer from ``pool`` and the batch layout."""
         decs = [self.decompose(i) for i in samples]
         layout = self._layout(decs)
-        buffer = self._pool.acquire(layout.nbytes)
+        buffer = pool.acquire(layout.nbytes)
         self._seq += 1
-        task = ReadTask(self._seq, buffer.name, layout.arrays, tuple(samples), layout.boxes(decs),
-                        self._pool.take_freed_names())
-        reader.submit(task, buffer.memory)
+        task = ReadTask(self._seq, buffer.name, layout.arrays, tuple(samples), layout.boxes(decs), detach)
         return task, buffer, layout
 
     def _layout(self, decs: list[dict[str, DomainDecomposition]]) -> "_Layout":
@@ -257,8 +306,7 @@ class DomainPipe:
         self._layouts[key] = layout
         return layout
 
-    def _wrap(self, task: ReadTask, buffer, layout: "_Layout") -> Batch:
-        arrays = self._pool.hand_out(buffer, task.arrays)
+    def _wrap(self, task: ReadTask, arrays: dict[str, np.ndarray], layout: "_Layout") -> Batch:
         batch = Batch(task.samples)
         mesh = self.axes.domain_mesh
         for name, piece in layout.pieces.items():
@@ -341,10 +389,11 @@ class _Layout:
         return out
 
 
-def _close(pool: BufferPool, reader: list) -> None:
+def _close(pools: tuple[BufferPool, ...], reader: list) -> None:
     if reader[0] is not None:
         reader[0].close()
-    pool.close()
+    for pool in pools:
+        pool.close()
 
 
 def _freeze_sizes(sizes, ndim: int):

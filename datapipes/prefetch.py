@@ -10,7 +10,10 @@ shared memory while the training process computes, and the batch reaches the
 training process without a copy (the buffer is shared; see
 :mod:`datapipes._buffers`). Measured figures are in ``datapipes/README.md``.
 
-All three readers run the same :func:`fill` and answer in submission order.
+The caller reads with :func:`fill` itself; the two background readers run
+the same :func:`fill`, answer in submission order, and report how long each
+read took (the pipe's :class:`~datapipes._pacing.ReadAhead` compares it with
+the consumer's step to decide whether reading ahead pays).
 The reader process is forked, like ``torch.utils.data.DataLoader`` workers,
 so the source and the transforms need not pickle; sources never use a file
 handle opened before the fork (see :class:`datapipes.source.Source`).
@@ -39,7 +42,7 @@ from ._buffers import ArraySpec, view_arrays
 from .errors import InvalidValuesError
 from .source import Box, Source
 
-__all__ = ["ReadTask", "fill", "make_reader", "READERS"]
+__all__ = ["ReadTask", "fill", "timed_fill", "make_reader", "READERS"]
 
 Transform = Callable[[dict[str, torch.Tensor]], None]
 
@@ -91,25 +94,13 @@ def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box
 
 
 # --------------------------------------------------------------------------- #
-# Readers: submit(task, memory) in order, result() -> bytes read, in order
+# Background readers: submit(task, memory) in order, result() -> (bytes read, seconds), in order
 # --------------------------------------------------------------------------- #
-class _InlineReader:
-    """Reads when the result is asked for: no background work (``prefetch=0``)."""
-
-    def __init__(self, source, transforms, validate, rank):
-        self._args = (source, transforms, validate, rank)
-        self._pending: list = []
-
-    def submit(self, task: ReadTask, memory) -> None:
-        self._pending.append((task, memory))
-
-    def result(self) -> int:
-        task, memory = self._pending.pop(0)
-        source, transforms, validate, rank = self._args
-        return fill(source, task, memory, transforms, validate, rank)
-
-    def close(self) -> None:
-        self._pending.clear()
+def timed_fill(*args) -> tuple[int, float]:
+    """:func:`fill`, and the seconds it took (wall clock: what a consumer's step can hide)."""
+    start = time.perf_counter()
+    nbytes = fill(*args)
+    return nbytes, time.perf_counter() - start
 
 
 class _ThreadReader:
@@ -127,18 +118,18 @@ class _ThreadReader:
         while (item := self._tasks.get()) is not None:
             task, memory = item
             try:
-                self._results.put((fill(source, task, memory, transforms, validate, rank), None))
+                self._results.put((timed_fill(source, task, memory, transforms, validate, rank), None))
             except Exception as err:  # handed to the consumer, which raises it
-                self._results.put((0, err))
+                self._results.put(((0, 0.0), err))
 
     def submit(self, task: ReadTask, memory) -> None:
         self._tasks.put((task, memory))
 
-    def result(self) -> int:
-        nbytes, err = self._results.get()
+    def result(self) -> tuple[int, float]:
+        done, err = self._results.get()
         if err is not None:
             raise err
-        return nbytes
+        return done
 
     def close(self) -> None:
         self._tasks.put(None)
@@ -174,15 +165,15 @@ class _ProcessReader:
     def submit(self, task: ReadTask, memory) -> None:
         self._conn.send(task)
 
-    def result(self) -> int:
+    def result(self) -> tuple[int, float]:
         try:
-            nbytes, err, where = self._conn.recv()
+            done, err, where = self._conn.recv()
         except EOFError:
             raise RuntimeError(f"the datapipes reader process (pid {self._pid}) died ({self._exit_status()})") from None
         if err is not None:
             err.add_note(f"raised in the datapipes reader process:\n{where}")
             raise err
-        return nbytes
+        return done
 
     def close(self) -> None:
         try:
@@ -233,9 +224,9 @@ def _serve_process(conn, source, transforms, validate, rank, parent_pid: int) ->
         if task.buffer not in attached:
             attached[task.buffer] = shared_memory.SharedMemory(name=task.buffer)
         try:
-            conn.send((fill(source, task, attached[task.buffer].buf, transforms, validate, rank), None, ""))
+            conn.send((timed_fill(source, task, attached[task.buffer].buf, transforms, validate, rank), None, ""))
         except Exception as err:
-            conn.send((0, _portable(err), traceback.format_exc()))
+            conn.send(((0, 0.0), _portable(err), traceback.format_exc()))
 
 
 def _portable(err: Exception) -> Exception:
@@ -247,9 +238,9 @@ def _portable(err: Exception) -> Exception:
         return RuntimeError(f"{type(err).__name__}: {err}")
 
 
-READERS = {"inline": _InlineReader, "thread": _ThreadReader, "process": _ProcessReader}
+READERS = {"thread": _ThreadReader, "process": _ProcessReader}
 
 
 def make_reader(kind: str, source: Source, transforms: Sequence[Transform], validate: bool, rank: str = ""):
-    """A reader of ``kind`` (``"inline"``, ``"thread"`` or ``"process"``); ``rank`` as in :func:`fill`."""
+    """A background reader of ``kind`` (``"thread"`` or ``"process"``); ``rank`` as in :func:`fill`."""
     return READERS[kind](source, tuple(transforms), validate, rank)

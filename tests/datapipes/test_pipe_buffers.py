@@ -1,6 +1,7 @@
 """The pipe's buffer pool: a buffer returns only when the last array or tensor viewing it is gone."""
 
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -32,3 +33,51 @@ def test_a_buffer_returns_when_the_last_view_of_any_array_dies(shared):
         pool.release(again)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_trim_frees_idle_buffers_and_leaves_handed_out_ones_alone(shared):
+    pool = BufferPool(shared=shared, max_idle=4)
+    try:
+        specs, nbytes = layout_arrays({"a": ((8,), np.float32)})
+        idle = [pool.acquire(nbytes) for _ in range(2)]
+        held = pool.acquire(nbytes)
+        arrays = pool.hand_out(held, specs)
+        arrays["a"][:] = 3.0
+        for buf in idle:
+            pool.release(buf)
+        pool.trim()
+        assert all(buf.memory is None for buf in idle) == shared  # shared memory is unlinked at once
+        assert sorted(pool.take_freed_names()) == (sorted(b.name for b in idle) if shared else [])
+        fresh = pool.acquire(nbytes)
+        assert all(fresh is not buf for buf in idle)  # trimmed buffers are never handed out again
+        assert arrays["a"].tolist() == [3.0] * 8
+        pool.release(fresh)
+        del arrays
+        gc.collect()
+        assert pool.acquire(nbytes) is held  # the batch let go after the trim: its buffer is reused
+    finally:
+        pool.close()
+
+
+def test_a_batch_that_outlives_its_pool_is_unmapped_quietly(monkeypatch):
+    """The last array's finalizer frees the shared block while numpy still views it: unmapping waits."""
+    from datapipes import _buffers
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    pool = BufferPool(shared=True, max_idle=1)
+    specs, nbytes = layout_arrays({"a": ((16,), np.float32)})
+    buf = pool.acquire(nbytes)
+    shm = buf._shm
+    arrays = pool.hand_out(buf, specs)
+    arrays["a"][:] = 5.0
+    pool.close()  # the user still holds the batch
+    assert arrays["a"].tolist() == [5.0] * 16
+    del arrays
+    gc.collect()
+    assert unraisable == []
+    assert shm in _buffers._unmapped  # unlinked, still mapped: its view was alive when it was freed
+    other = BufferPool(shared=True, max_idle=0)
+    other.release(other.acquire(8))  # any later free unmaps what no view uses any more
+    assert shm not in _buffers._unmapped and unraisable == []

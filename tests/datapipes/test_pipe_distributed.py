@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import time
 
 import h5py
 import numpy as np
@@ -20,10 +21,10 @@ import torch.distributed as dist
 import xarray as xr
 from torch.distributed.device_mesh import init_device_mesh
 
-from datapipes import DataPipeError, DecompositionError, DomainPipe, InvalidValuesError, MeshSource
+from datapipes import DataPipeError, DecompositionError, DomainPipe, HDF5Fields, InvalidValuesError, MeshSource
 from datapipes.decomposition import balanced_sizes
 from datapipes.statistics import Normalize, Statistics, compute_statistics
-from datapipes.synthetic import write_hdf5
+from datapipes.synthetic import darcy_flow, write_hdf5
 from datapipes.writer import write_shards
 from physicsnemo_dp import Replicate, Shard, ShardTensor, count_collectives
 from tests._harness import distributed
@@ -77,7 +78,8 @@ def test_each_rank_holds_its_slice_of_every_format(ctx, fmt, tmp_path):
 def test_every_reader_gives_the_same_batches(ctx, workers, prefetch, tmp_path):
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
     full = grid_fields()
-    with DomainPipe(open_grid("hdf5", path), ctx.mesh, batch_size=3, workers=workers, prefetch=prefetch) as pipe:
+    with DomainPipe(open_grid("hdf5", path), ctx.mesh, batch_size=3, workers=workers, prefetch=prefetch,
+                    adaptive_prefetch=False) as pipe:  # every batch through the background reader
         dec = pipe.decompose(0)["permeability"]
         for batch in pipe:
             local = batch["permeability"].to_local().numpy()
@@ -124,12 +126,15 @@ def _same_spec_as_from_local(batch, ctx, dec) -> bool:
     return True
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed(world_sizes=(2,), mesh_2d=False)
-def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(ctx, workers, tmp_path):
+def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(ctx, workers, adaptive, tmp_path):
+    """Adaptive: this consumer asks at once, so after the first batches the caller reads, into its own pool."""
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
     full = grid_fields()["pressure"]
-    with DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, seed=4) as pipe:
+    with DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, seed=4,
+                    adaptive_prefetch=adaptive) as pipe:
         kept = list(pipe)  # every batch alive at once: the pool must grow, not recycle
         dec = pipe.decompose(0)["pressure"]
         for batch in kept:
@@ -138,6 +143,114 @@ def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(ctx, wor
         del kept, batch
         addresses = {b["pressure"].to_local().data_ptr() for b in pipe}  # each batch dropped at once
         assert len(addresses) <= pipe.prefetch + 2
+
+
+class _SlowFields(HDF5Fields):
+    """HDF5 fields whose every box read takes at least ``_READ_S``: a read long enough to time reliably."""
+
+    def read(self, index, variable, box, out):
+        time.sleep(_READ_S)
+        return super().read(index, variable, box, out)
+
+
+_READ_S = 0.003
+
+
+def _spy_on_background_reads(pipe: DomainPipe) -> list[int]:
+    """Start ``pipe``'s reader and record the first sample of every task handed to it."""
+    reader = pipe._start_reader()
+    submitted: list[int] = []
+    submit = reader.submit
+
+    def recording(task, memory):
+        submitted.append(task.samples[0])
+        submit(task, memory)
+
+    reader.submit = recording
+    return submitted
+
+
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed
+def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, workers, tmp_path):
+    """A consumer that steps longer than a read gets reads in the background; one that asks at once
+    gets them in the caller; switching in the middle of an epoch keeps order and values."""
+    fields = darcy_flow(24, 16, seed=3)
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path, fields))
+    read_s = 2 * _READ_S  # two variables per sample
+    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, shuffle=False) as pipe:
+        dec = pipe.decompose(0)["pressure"]
+        _, coord = _domain(ctx)
+        background = _spy_on_background_reads(pipe)
+
+        def epoch(step_s: float) -> list[int]:
+            seen = []
+            for batch in pipe:
+                expected = fields["pressure"][list(batch.samples)][(slice(None), *dec.box(coord))]
+                assert np.array_equal(batch["pressure"].to_local().numpy(), expected)
+                seen.extend(batch.samples)
+                time.sleep(step_s)
+            return seen
+
+        order = list(pipe.order.batches(0))
+        everything = [i for b in order for i in b]
+        assert epoch(4 * read_s) == everything and pipe.reading_ahead  # the step hides the reads
+        del background[:]
+        assert epoch(0.0) == everything and not pipe.reading_ahead  # nothing to hide behind
+        # the averages need a few batches to see the change: the first reads are still ahead, the rest in the caller
+        assert 0 < len(background) <= len(order) - 4 and background == [b[0] for b in order[: len(background)]]
+        del background[:]
+        assert epoch(0.0) == everything and background == []
+        assert epoch(4 * read_s) == everything and pipe.reading_ahead
+        assert len(background) >= len(order) - 2
+        assert pipe._pace.switches == 2
+        assert pipe.bytes_read == 4 * len(everything) * 2 * int(np.prod(dec.local_shape(coord))) * 4
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_prefetch_reads_that_many_batches_while_the_consumer_holds_one(ctx, workers, prefetch, tmp_path):
+    """While the consumer works on batch k, batches k+1 .. k+prefetch are already with the reader."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    with DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=prefetch, shuffle=False,
+                    adaptive_prefetch=False) as pipe:
+        background = _spy_on_background_reads(pipe)
+        order = [b[0] for b in pipe.order.batches(0)]
+        for k, batch in enumerate(pipe):
+            assert batch.samples == (order[k],)
+            assert background == order[: min(len(order), k + 1 + prefetch)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed(world_sizes=(3,), mesh_2d=False)
+def test_random_steps_switch_the_reads_anywhere_and_keep_every_batch(ctx, workers, seed, tmp_path):
+    fields = darcy_flow(24, 16, seed=5)
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path, fields))
+    steps = _runs_of_steps(np.random.default_rng(seed + 10 * ctx.rank), 24)  # per rank: the pipe needs no agreement
+    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, seed=seed,
+                    batch_size=2) as pipe:
+        dec = pipe.decompose(0)["permeability"]
+        for e in range(2):
+            seen = []
+            for batch, step in zip(pipe, steps[12 * e :]):
+                local = batch["permeability"].to_local().numpy()
+                assert np.array_equal(local, fields["permeability"][list(batch.samples)][(slice(None), *dec.box(ctx.rank))])
+                seen.append(batch.samples)
+                time.sleep(step)
+            assert seen == [tuple(b) for b in pipe.order.batches(e)]
+        assert pipe._pace.switches > 0  # the pattern made it switch (at least once, on every rank)
+
+
+def _runs_of_steps(rng, n: int) -> list[float]:
+    """``n`` step times: alternating runs of 2-5 steps longer than a read and of 7-10 without a step
+    (long enough for the averages to cross the threshold: see datapipes._pacing)."""
+    steps, busy = [], bool(rng.integers(2))
+    while len(steps) < n:
+        steps += [0.03] * int(rng.integers(2, 6)) if busy else [0.0] * int(rng.integers(7, 11))
+        busy = not busy
+    return steps[:n]
 
 
 @distributed(world_sizes=(2,), mesh_2d=False)

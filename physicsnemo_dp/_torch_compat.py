@@ -299,14 +299,25 @@ def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim):
     gather_dim %= max(tensor.ndim, 1)  # counted from the front: a complex stand-in has one more (trailing) dim
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)
-        out = wait(funcol.all_gather_single(wire, gather_dim, _group(mesh, mesh_dim)))
+        if _eager(wire) and wire.ndim:
+            size = mesh.size(mesh_dim)
+            out = wire.new_empty((size * wire.shape[0], *wire.shape[1:]))  # the pieces one after another
+            torch.distributed.all_gather_single(out, wire.contiguous(), group=mesh.get_group(mesh_dim))
+            if gather_dim:
+                out = torch.cat(out.view(size, *wire.shape).unbind(0), gather_dim)  # also for empty pieces
+        else:
+            out = wait(funcol.all_gather_single(wire, gather_dim, _group(mesh, mesh_dim)))
         return _restored(out, restore)
 
 
 def all_reduce(tensor, reduce_op: str, mesh, mesh_dim):
     with _in_its_pass():
         wire, op, restore = _reduction_wire(tensor, reduce_op, mesh, mesh_dim)
-        out = wait(funcol.all_reduce(wire, op, _group(mesh, mesh_dim)))
+        if _eager(wire) and op in _REDUCE_OPS:
+            out = wire.clone(memory_format=torch.contiguous_format)  # what the functional op allocates too
+            torch.distributed.all_reduce(out, op=_REDUCE_OPS[op], group=mesh.get_group(mesh_dim))
+        else:
+            out = wait(funcol.all_reduce(wire, op, _group(mesh, mesh_dim)))
         return _restored(out, restore)
 
 
@@ -314,8 +325,30 @@ def broadcast(tensor, src_group_rank: int, mesh, mesh_dim):
     # The functional op takes the source's rank *within the group*.
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)
-        out = wait(funcol.broadcast(wire, src_group_rank, _group(mesh, mesh_dim)))
+        if _eager(wire):
+            out = wire.clone(memory_format=torch.contiguous_format)
+            torch.distributed.broadcast(out, group=mesh.get_group(mesh_dim), group_src=src_group_rank)
+        else:
+            out = wait(funcol.broadcast(wire, src_group_rank, _group(mesh, mesh_dim)))
         return _restored(out, restore)
+
+
+def _eager(tensor: torch.Tensor) -> bool:
+    """Whether a collective on ``tensor`` may call the process group directly instead of the functional op.
+
+    The functional collectives exist for tracing; in eager code they cost
+    about 100 us more CPU per call than the in-place c10d op on the same
+    buffer (measured: 150-250 against 41-56 us for a 12k-float all-reduce on
+    gloo), in wrapping the result in an ``AsyncCollectiveTensor`` and
+    waiting on it. The result is the same tensor either way. Traced, meta
+    (``debug.simulate``) and dispatch-mode runs (which must see the
+    functional op) keep the functional path.
+    """
+    return tensor.device.type != "meta" and not tracing(tensor) and not dispatch_mode_active()
+
+
+_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN, "product": torch.distributed.ReduceOp.PRODUCT}
 
 
 def current_mesh():

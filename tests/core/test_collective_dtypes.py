@@ -171,3 +171,40 @@ def test_byte_counts_are_logical_bytes_of_the_callers_dtype(ctx):
             C.all_reduce(torch.zeros(4, dtype=dtype), "sum", ctx.mesh, 0)
         assert counter.bytes_received["all_gather"] == 3 * dtype.itemsize
         assert counter.bytes_received["all_reduce"] == 4 * dtype.itemsize  # ring: 2 (P-1)/P * n
+
+
+@distributed
+def test_eager_collectives_equal_the_functional_ones(ctx):
+    """In eager code the wrappers call the process group in place (cheaper); traced code keeps the
+    functional collectives. Both give the same bits, shapes and dtypes, empty pieces included."""
+    from physicsnemo_dp import _torch_compat as tc
+
+    mesh, dims = ctx.mesh, range(ctx.mesh.ndim)
+    cases = []
+    for dtype in ALL:
+        for shape in [(3, 4), (0, 4), (4, 0), (2, 3, 2)]:
+            cases.append(random_bits(shape, dtype, seed=len(cases) + 97 * ctx.rank))
+
+    def run():
+        out = []
+        for m in dims:
+            for t in cases:
+                for d in range(t.ndim):
+                    out.append(tc.all_gather_tensor(t, d, mesh, m))
+                out.append(tc.broadcast(t, mesh.size(m) - 1, mesh, m))
+                for op in ("sum", "max", "min"):
+                    if t.dtype in STORAGE_ONLY or (op != "sum" and t.is_complex()):
+                        continue
+                    out.append(tc.all_reduce(t, op, mesh, m))
+        return out
+
+    assert tc._eager(cases[0])  # the first run takes the process group's ops
+    eager = run()
+    saved, tc._eager = tc._eager, lambda tensor: False  # by hand: the rank processes outlive a monkeypatch
+    try:
+        functional = run()
+    finally:
+        tc._eager = saved
+    assert len(eager) == len(functional)
+    for i, (a, b) in enumerate(zip(eager, functional)):
+        assert_bit_equal(a, b, f"result {i}")

@@ -287,11 +287,16 @@ def _restored(out: torch.Tensor, restore) -> torch.Tensor:
 def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_dim):
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)
-        out = wait(
-            funcol.all_to_all_single(
-                wire, list(output_split_sizes), list(input_split_sizes), _group(mesh, mesh_dim)
+        if _eager(wire) and wire.ndim:
+            out = wire.new_empty((sum(output_split_sizes), *wire.shape[1:]))
+            torch.distributed.all_to_all_single(out, wire.contiguous(), list(output_split_sizes),
+                                                list(input_split_sizes), group=mesh.get_group(mesh_dim))
+        else:
+            out = wait(
+                funcol.all_to_all_single(
+                    wire, list(output_split_sizes), list(input_split_sizes), _group(mesh, mesh_dim)
+                )
             )
-        )
         return _restored(out, restore)
 
 
@@ -334,7 +339,7 @@ def broadcast(tensor, src_group_rank: int, mesh, mesh_dim):
 
 
 def _eager(tensor: torch.Tensor) -> bool:
-    """Whether a collective on ``tensor`` may call the process group directly instead of the functional op.
+    """Whether a collective on ``tensor`` may call the process group in place instead of the functional op.
 
     The functional collectives exist for tracing; in eager code they cost
     about 100 us more CPU per call than the in-place c10d op on the same

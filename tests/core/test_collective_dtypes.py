@@ -182,7 +182,7 @@ def test_eager_collectives_equal_the_functional_ones(ctx):
     mesh, dims = ctx.mesh, range(ctx.mesh.ndim)
     cases = []
     for dtype in ALL:
-        for shape in [(3, 4), (0, 4), (4, 0), (2, 3, 2)]:
+        for shape in [(3, 4), (0, 4), (4, 0), (2, 3, 2), (3 * mesh.size(0), 2), (3 * mesh.size(-1), 0)]:
             cases.append(random_bits(shape, dtype, seed=len(cases) + 97 * ctx.rank))
 
     def run():
@@ -192,6 +192,10 @@ def test_eager_collectives_equal_the_functional_ones(ctx):
                 for d in range(t.ndim):
                     out.append(tc.all_gather_tensor(t, d, mesh, m))
                 out.append(tc.broadcast(t, mesh.size(m) - 1, mesh, m))
+                if t.ndim and t.shape[0] == 3 * mesh.size(m):  # uneven splits, an empty one included
+                    sizes = [3 * mesh.size(m) - 1, *[0] * (mesh.size(m) - 2), 1][: mesh.size(m)] if mesh.size(m) > 1 else [3]
+                    received = [sizes[mesh.get_local_rank(m)]] * mesh.size(m)
+                    out.append(tc.all_to_all_single(t, received, sizes, mesh, m))
                 for op in ("sum", "max", "min"):
                     if t.dtype in STORAGE_ONLY or (op != "sum" and t.is_complex()):
                         continue

@@ -72,6 +72,15 @@ def test_distributed_rejects_nested_functions():
         distributed(body)
 
 
+def _patches(ctx, monkeypatch):
+    pass
+
+
+def test_distributed_rejects_fixtures_that_act_on_the_test_process():
+    with pytest.raises(TypeError, match=r"\['monkeypatch'\].*try/finally"):
+        distributed(_patches)
+
+
 # ---------------------------------------------------------------- bodies shipped by the pool tests
 
 

@@ -57,6 +57,10 @@ def run_job(world_size, mesh_shape, module, name, params, *, timeout=DEFAULT_TIM
         report = str(failure)
     raise AssertionError(report)  # outside the except block: the report is the whole message
 
+#: pytest fixtures whose effect lives in the test process: useless or harmful in a rank.
+_PROCESS_LOCAL_FIXTURES = frozenset({"monkeypatch", "capsys", "capfd", "capsysbinary", "capfdbinary", "caplog", "recwarn"})
+
+
 def distributed(body=None, *, world_sizes=(1, 3, 4), mesh_2d=True, timeout=DEFAULT_TIMEOUT):
     """Make ``body(ctx, ...)`` a pytest test that runs on every rank of each layout.
 
@@ -90,6 +94,13 @@ def distributed(body=None, *, world_sizes=(1, 3, 4), mesh_2d=True, timeout=DEFAU
             pytest.skip(f"rank {skipped[0].rank}: {skipped[0].detail}")
 
     extra = list(inspect.signature(body).parameters.values())[1:]  # after ctx: pytest supplies them
+    local = sorted({p.name for p in extra} & _PROCESS_LOCAL_FIXTURES)
+    if local:
+        raise TypeError(
+            f"{body.__name__} asks for {local}: a distributed body runs in the pooled rank processes, where "
+            "these fixtures would act on a pickled copy (a monkeypatch is never undone there and leaks into "
+            "later jobs; captured output stays empty). Patch inside the body with try/finally instead."
+        )
     layout = inspect.Parameter("_pdp_layout", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     test.__signature__ = inspect.Signature([layout, *extra])
     test.__name__ = test.__qualname__ = body.__name__

@@ -9,7 +9,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .collectives import CommCounter, count_collectives
 from .errors import PlacementError, PromotionError
-from .promotion import TensorPromotionMode, get_promotion_mode, promotion_mode, set_promotion_mode
+from .promotion import TensorPromotionMode, bucket_gradients, get_promotion_mode, promotion_mode, set_promotion_mode
 from .scatter import scatter_tensor
 from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec
@@ -33,6 +33,7 @@ __all__ = [
     "set_promotion_mode",
     "get_promotion_mode",
     "promotion_mode",
+    "bucket_gradients",
     "count_collectives",
     "CommCounter",
     "PlacementError",

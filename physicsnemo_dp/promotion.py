@@ -48,7 +48,10 @@ from .errors import PlacementError, PromotionError
 from .rule_kit import shard_tensor_cls
 from .spec import ShardTensorSpec
 
-__all__ = ["TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode", "promote", "promote_together"]
+__all__ = [
+    "TensorPromotionMode", "set_promotion_mode", "get_promotion_mode", "promotion_mode", "promote", "promote_together",
+    "bucket_gradients", "clear_gradient_buckets",
+]
 
 
 class TensorPromotionMode(enum.Enum):
@@ -235,9 +238,11 @@ _CACHE_SIZE = 1024
 
 
 def clear_promotion_cache() -> None:
-    """Forget every kept promoted view (they are rebuilt on the next call)."""
+    """Forget every kept promoted view (they are rebuilt on the next call); buckets stay, their views go."""
     _PROMOTED.clear()
     _SPECS.clear()
+    for _, bucket in _BUCKETS.values():
+        bucket.mesh, bucket.views = None, None
 
 
 def _forget(key, ref) -> None:
@@ -264,6 +269,10 @@ def promote(plain: torch.Tensor, mesh) -> "torch.Tensor":
     """
     if not (plain.requires_grad and torch.is_grad_enabled()):
         return _replicated_view(plain, mesh)
+    if _BUCKETS:
+        view = _bucket_view(plain, mesh)
+        if view is not None:
+            return view
     key = id(plain)
     entry = _PROMOTED.get(key)
     # A kept entry's tensor passed the checks below when it was kept (leaf, type and inference mode do not change).
@@ -315,6 +324,8 @@ def promote_together(plains, mesh) -> tuple:
         return entry[4]
     if not torch.is_grad_enabled() or dynamo_frame_hook_active():
         return tuple(promote(p, mesh) for p in plains)
+    if _BUCKETS and any(id(p) in _BUCKETS for p in plains):  # bucketed: the bucket's node, not one per call
+        return tuple(promote(p, mesh) for p in plains)
     tracked = tuple(p for p in plains if p.requires_grad)
     if len(tracked) < 2:
         return tuple(promote(p, mesh) for p in plains)
@@ -346,6 +357,121 @@ def _unchanged(entry, plains) -> bool:
         if stamp != (p._version, storage_key(p), p.storage_offset()):
             return False
     return True
+
+
+# --------------------------------------------------------------------------- #
+# Gradient buckets (opt-in): one node, and one reduction, for many layers
+# --------------------------------------------------------------------------- #
+class _Bucket:
+    """Parameters promoted together on the first use of any of them in a forward.
+
+    ``views`` holds the current forward's promoted views (``id -> (stamp,
+    view)``) on ``mesh``; the node's backward reduces the gradients of all of
+    them at once, when the last one has arrived.
+    """
+
+    def __init__(self, params):
+        self.refs = tuple(weakref.ref(p) for p in params)
+        self.mesh = None
+        self.views: dict | None = None
+
+
+#: id(parameter) -> (weak reference to it, its bucket); see :func:`bucket_gradients`.
+_BUCKETS: dict = {}
+
+
+def bucket_gradients(params, cap_mb: float | None = 25.0) -> int:
+    """Reduce the promoted gradients of ``params`` in buckets, not one collective per layer call.
+
+    ``params`` is a module (its parameters) or an iterable of parameters.
+    They are cut into buckets of at most ``cap_mb`` MiB (None: one bucket),
+    in reverse order, as DDP does (the last layers' gradients come first in
+    backward). On the first use of any parameter of a bucket in a forward,
+    the whole bucket is promoted by one :class:`Promote` node; its backward
+    runs once the gradients of every parameter of the bucket used in that
+    forward have arrived, and sums them over the mesh in one collective per
+    layout and dtype (:func:`_summed`).
+
+    Why: each collective has a fixed cost. With gloo on 4 ranks sharing 2
+    cores the five all-reduces of a transformer block's parameter gradients
+    cost 6-7 ms of the transport threads' CPU per rank and step, one
+    all-reduce of the same values concatenated a fraction of that; on GPUs
+    each is a launch. The price: a bucket's gradients are reduced, and
+    written to ``.grad``, only when its last gradient is ready, so a
+    reduction overlaps less of the backward (smaller buckets overlap more).
+    ``.grad`` still holds the summed gradient when autograd accumulates it,
+    so optimizers, DDP, gradient accumulation and checkpointing see what they
+    see without buckets.
+
+    Parameters used on another mesh than the bucket's first use, under
+    ``torch.compile`` or after an in-place change within the forward are
+    promoted per call, as without buckets. Calling it again regroups the
+    given parameters; :func:`clear_gradient_buckets` removes every bucket.
+    Returns the number of buckets.
+    """
+    params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
+    for p in params:
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) or not p.is_leaf:
+            raise TypeError(
+                f"bucket_gradients takes plain leaf tensors (a model's parameters), got "
+                f"{type(p).__name__}{'' if p.is_leaf else ' that is not a leaf'}"
+            )
+    if cap_mb is not None and not cap_mb > 0:
+        raise ValueError(f"cap_mb must be positive or None (one bucket), got {cap_mb!r}")
+    unique = list({id(p): p for p in params if p.requires_grad}.values())
+    buckets, current, size = [], [], 0
+    for p in reversed(unique):
+        nbytes = p.numel() * p.element_size()
+        if current and cap_mb is not None and size + nbytes > cap_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    _PROMOTED.clear()  # views kept per call before: the next forward promotes by bucket
+    for members in buckets:
+        bucket = _Bucket(members)
+        for p in members:
+            _BUCKETS[id(p)] = (weakref.ref(p, lambda ref, key=id(p): _unbucket(key, ref)), bucket)
+    return len(buckets)
+
+
+def clear_gradient_buckets() -> None:
+    """Forget every bucket of :func:`bucket_gradients` (promotion goes back to one node per call)."""
+    _BUCKETS.clear()
+    _PROMOTED.clear()
+
+
+def _unbucket(key, ref) -> None:
+    entry = _BUCKETS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _BUCKETS[key]
+
+
+def _bucket_view(plain, mesh):
+    """``plain``'s view from its bucket (promoting the bucket whole on its first use), or None: promote per call."""
+    entry = _BUCKETS.get(id(plain))
+    if entry is None or entry[0]() is not plain or not _keepable(plain) or eval_frame_callback() is not None:
+        return None
+    bucket = entry[1]
+    views = bucket.views
+    if views is not None and bucket.mesh is mesh:
+        hit = views.get(id(plain))
+        if hit is not None and hit[0] == _stamp(plain):
+            return hit[1]
+    members = [p for p in (ref() for ref in bucket.refs) if p is not None and p.requires_grad and _keepable(p)]
+    promoted = Promote.apply(mesh, *members)
+    promoted = (promoted,) if len(members) == 1 else promoted
+    views = {id(p): (_stamp(p), v) for p, v in zip(members, promoted)}
+    bucket.mesh, bucket.views = mesh, views
+
+    def forget(grad_outputs, bucket=bucket, views=views):
+        if bucket.views is views:  # backward reached this forward's node: the next forward promotes afresh
+            bucket.mesh, bucket.views = None, None
+
+    promoted[0].grad_fn.register_prehook(forget)
+    return views[id(plain)][1]
 
 
 def _top_level(func, args, kwargs, ShardTensor):

@@ -11,7 +11,9 @@ and be bitwise identical on all four ranks.
 import pytest
 import torch
 
+from physicsnemo_dp import bucket_gradients
 from physicsnemo_dp.distributed import DDPConfig, FSDP2Config, MeshContext, MixedPrecisionPolicy, parallelize_model
+from physicsnemo_dp.promotion import clear_gradient_buckets
 from tests._harness import distributed
 
 from ._models import (
@@ -33,6 +35,9 @@ CASES = {
     "fsdp2-bf16": (FSDP2Config(), BF16, 1e-2),
     "ddp-checkpointed": (DDPConfig(), None, 1e-5),
     "fsdp2-bf16-checkpointed": (FSDP2Config(), BF16, 1e-2),
+    # the domain reductions of all parameters in one bucket (physicsnemo_dp.bucket_gradients), under DDP
+    "ddp-bucketed": (DDPConfig(), None, 1e-5),
+    "ddp-bucketed-checkpointed": (DDPConfig(), None, 1e-5),
 }
 
 
@@ -55,7 +60,12 @@ def test_training_matches_single_process(ctx, case):
 
     torch.manual_seed(ctx.rank)  # every rank starts elsewhere: parallelize must synchronize
     model = parallelize_model(TokenNet(), context)
-    losses = train(model, [local_input(b, context, salt=s) for s, b in enumerate(batches)])  # salt 0: an empty shard
+    if "bucketed" in case:
+        bucket_gradients(model, cap_mb=None)
+    try:
+        losses = train(model, [local_input(b, context, salt=s) for s, b in enumerate(batches)])  # salt 0: an empty shard
+    finally:
+        clear_gradient_buckets()
 
     inner = getattr(model, "module", model)
     checkpointed = case.endswith("checkpointed")

@@ -130,11 +130,11 @@ def _same_spec_as_from_local(batch, ctx, dec) -> bool:
 @pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed(world_sizes=(2,), mesh_2d=False)
 def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(ctx, workers, adaptive, tmp_path):
-    """Adaptive: this consumer asks at once, so after the first batches the caller reads, into its own pool."""
+    """Adaptive: this consumer asks at once, so after the first batch the caller reads, into its own pool."""
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
     full = grid_fields()["pressure"]
     with DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, seed=4,
-                    adaptive_prefetch=adaptive) as pipe:
+                    adaptive_prefetch=adaptive) as pipe, _consumer_clock():  # no time passes between batches
         kept = list(pipe)  # every batch alive at once: the pool must grow, not recycle
         dec = pipe.decompose(0)["pressure"]
         for batch in kept:
@@ -170,6 +170,33 @@ def _spy_on_background_reads(pipe: DomainPipe) -> list[int]:
     return submitted
 
 
+class _ConsumerClock:
+    """Stands in for ``time`` in ``datapipes.pipe``, where it only measures the consumer's time between
+    batches: the tests declare that time (``advance``) instead of sleeping, so that 4 ranks sharing 2
+    cores cannot stretch an "immediate" consumer into a slow one. Reads keep the real clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@contextlib.contextmanager
+def _consumer_clock():
+    import datapipes.pipe as pipe_module
+
+    clock, saved = _ConsumerClock(), pipe_module.time
+    pipe_module.time = clock  # restored by hand: the rank processes outlive the test
+    try:
+        yield clock
+    finally:
+        pipe_module.time = saved
+
+
 @pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed
 def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, workers, tmp_path):
@@ -178,7 +205,8 @@ def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, w
     fields = darcy_flow(24, 16, seed=3)
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path, fields))
     read_s = 2 * _READ_S  # two variables per sample
-    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, shuffle=False) as pipe:
+    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, shuffle=False) as pipe, \
+            _consumer_clock() as clock:
         dec = pipe.decompose(0)["pressure"]
         _, coord = _domain(ctx)
         background = _spy_on_background_reads(pipe)
@@ -189,7 +217,7 @@ def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, w
                 expected = fields["pressure"][list(batch.samples)][(slice(None), *dec.box(coord))]
                 assert np.array_equal(batch["pressure"].to_local().numpy(), expected)
                 seen.extend(batch.samples)
-                time.sleep(step_s)
+                clock.advance(step_s)
             return seen
 
         order = list(pipe.order.batches(0))
@@ -230,7 +258,7 @@ def test_random_steps_switch_the_reads_anywhere_and_keep_every_batch(ctx, worker
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path, fields))
     steps = _runs_of_steps(np.random.default_rng(seed + 10 * ctx.rank), 24)  # per rank: the pipe needs no agreement
     with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, seed=seed,
-                    batch_size=2) as pipe:
+                    batch_size=2) as pipe, _consumer_clock() as clock:
         dec = pipe.decompose(0)["permeability"]
         for e in range(2):
             seen = []
@@ -238,7 +266,7 @@ def test_random_steps_switch_the_reads_anywhere_and_keep_every_batch(ctx, worker
                 local = batch["permeability"].to_local().numpy()
                 assert np.array_equal(local, fields["permeability"][list(batch.samples)][(slice(None), *dec.box(ctx.rank))])
                 seen.append(batch.samples)
-                time.sleep(step)
+                clock.advance(step)
             assert seen == [tuple(b) for b in pipe.order.batches(e)]
         assert pipe._pace.switches > 0  # the pattern made it switch (at least once, on every rank)
 

@@ -13,6 +13,7 @@ the refused arguments.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -60,6 +61,18 @@ def _assert_same_grads(net, ref):
 
 def _all_reduces(counter) -> int:
     return counter.calls.get("all_reduce", 0)
+
+
+@contextlib.contextmanager
+def _bucketed_mlp(ctx):
+    """``(X, x, net, ref)``: the whole input and this rank's rows, the MLP in one bucket and its one-process twin."""
+    X, x = _x(ctx)
+    net, ref = _mlp(), _mlp()
+    bucket_gradients(net, cap_mb=None)
+    try:
+        yield X, x, net, ref
+    finally:
+        clear_gradient_buckets()
 
 
 @distributed
@@ -151,10 +164,7 @@ def test_unused_and_reused_parameters(ctx):
 
 @distributed(world_sizes=(2, 3))
 def test_two_forwards_before_one_backward_and_accumulation(ctx):
-    X, x = _x(ctx)
-    net, ref = _mlp(), _mlp()
-    bucket_gradients(net, cap_mb=None)
-    try:
+    with _bucketed_mlp(ctx) as (X, x, net, ref):
         with count_collectives() as counted:
             _step(net, x, twice=True)  # one bucket node for both forwards
         _step(ref, X, twice=True)
@@ -162,17 +172,13 @@ def test_two_forwards_before_one_backward_and_accumulation(ctx):
         _step(net, x * 3)  # accumulation into .grad over a second backward
         _step(ref, X * 3)
         _assert_same_grads(net, ref)
-    finally:
-        clear_gradient_buckets()
 
 
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_a_parameter_changed_in_place_within_the_forward(ctx):
     """The changed parameter gets a new bucket node; both nodes reduce what reached them."""
-    X, x = _x(ctx)
-    net, ref = _mlp(), _mlp()
-    bucket_gradients(net, cap_mb=None)
-    try:
+    with _bucketed_mlp(ctx) as (X, x, net, ref):
+
         def run(model, inp):
             y = model[0](inp)
             with torch.no_grad():
@@ -183,16 +189,11 @@ def test_a_parameter_changed_in_place_within_the_forward(ctx):
         (y * y).backward(torch.ones_like(y))
         (r * r).backward(torch.ones_like(r))
         _assert_same_grads(net, ref)
-    finally:
-        clear_gradient_buckets()
 
 
 @distributed(world_sizes=(1, 3))
 def test_no_grad_forwards_and_checkpointed_layers(ctx):
-    X, x = _x(ctx)
-    net, ref = _mlp(), _mlp()
-    bucket_gradients(net, cap_mb=None)
-    try:
+    with _bucketed_mlp(ctx) as (X, x, net, ref):
         with torch.no_grad():
             torch.testing.assert_close(net(x).full_tensor(), ref(X), rtol=1e-12, atol=1e-12)  # tanh, layer norm: ulps
         y = checkpoint(net[:3], x, use_reentrant=False)
@@ -201,8 +202,6 @@ def test_no_grad_forwards_and_checkpointed_layers(ctx):
         (y * y).backward(torch.ones_like(y))
         (r * r).backward(torch.ones_like(r))
         _assert_same_grads(net, ref)
-    finally:
-        clear_gradient_buckets()
 
 
 def test_refused_arguments():

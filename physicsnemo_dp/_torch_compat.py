@@ -352,8 +352,9 @@ def _eager(tensor: torch.Tensor) -> bool:
     return tensor.device.type != "meta" and not tracing(tensor) and not dispatch_mode_active()
 
 
+#: The reductions :mod:`physicsnemo_dp.collectives` issues (``avg`` arrives as a sum).
 _REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN, "product": torch.distributed.ReduceOp.PRODUCT}
+               "min": torch.distributed.ReduceOp.MIN}
 
 
 def current_mesh():

@@ -403,18 +403,25 @@ def bucket_gradients(params, cap_mb: float | None = 25.0) -> int:
     so optimizers, DDP, gradient accumulation and checkpointing see what they
     see without buckets.
 
-    Parameters used on another mesh than the bucket's first use, under
-    ``torch.compile`` or after an in-place change within the forward are
-    promoted per call, as without buckets. Calling it again regroups the
-    given parameters; :func:`clear_gradient_buckets` removes every bucket.
-    Returns the number of buckets.
+    A parameter used on another mesh than the bucket's current one, or
+    changed in place since the bucket was promoted in this forward, makes the
+    whole bucket promote afresh: a second node, and each node reduces the
+    gradients that reached it (exact, one collective more). Under
+    ``torch.compile``, and where a view of a parameter (``w.t()``) rather than
+    the parameter itself meets the sharded data, promotion stays per call.
+    Calling it again regroups the given parameters;
+    :func:`clear_gradient_buckets` removes every bucket. The buckets decide
+    the collectives, so every rank of a mesh must register the same
+    parameters in the same order, as it builds the same model. Returns the
+    number of buckets.
     """
     params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
     for p in params:
-        if type(p) not in (torch.Tensor, torch.nn.Parameter) or not p.is_leaf:
+        if not isinstance(p, torch.Tensor) or type(p) not in (torch.Tensor, torch.nn.Parameter) or not p.is_leaf:
+            what = type(p).__name__ if not isinstance(p, torch.Tensor) or p.is_leaf else f"{type(p).__name__} that is not a leaf"
             raise TypeError(
-                f"bucket_gradients takes plain leaf tensors (a model's parameters), got "
-                f"{type(p).__name__}{'' if p.is_leaf else ' that is not a leaf'}"
+                f"bucket_gradients takes a module or plain leaf tensors (its parameters), got {what}; "
+                "pass the model, or the parameters themselves rather than results computed from them"
             )
     if cap_mb is not None and not cap_mb > 0:
         raise ValueError(f"cap_mb must be positive or None (one bucket), got {cap_mb!r}")

@@ -176,14 +176,19 @@ def test_byte_counts_are_logical_bytes_of_the_callers_dtype(ctx):
 @distributed
 def test_eager_collectives_equal_the_functional_ones(ctx):
     """In eager code the wrappers call the process group in place (cheaper); traced code keeps the
-    functional collectives. Both give the same bits, shapes and dtypes, empty pieces included."""
+    functional collectives. Both give the same bits, shapes and dtypes: empty pieces, 0-dim,
+    transposed, offset and expanded inputs included."""
     from physicsnemo_dp import _torch_compat as tc
 
     mesh, dims = ctx.mesh, range(ctx.mesh.ndim)
     cases = []
     for dtype in ALL:
-        for shape in [(3, 4), (0, 4), (4, 0), (2, 3, 2), (3 * mesh.size(0), 2), (3 * mesh.size(-1), 0)]:
+        for shape in [(3, 4), (0, 4), (4, 0), (2, 3, 2), (3 * mesh.size(0), 2), (3 * mesh.size(-1), 0), ()]:
             cases.append(random_bits(shape, dtype, seed=len(cases) + 97 * ctx.rank))
+        # the layouts real code hands over: transposed, offset, expanded
+        seed = len(cases) + 97 * ctx.rank
+        cases += [random_bits((4, 3), dtype, seed).t(), random_bits((5, 4), dtype, seed + 1)[1:4],
+                  random_bits((1, 4), dtype, seed + 2).expand(3, 4)]
 
     def run():
         out = []

@@ -33,10 +33,15 @@ from ._util import integer_tensor, make_spec, shard_from_global
 def _mlp(seed=3) -> nn.Module:
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3)).double()
-    with torch.no_grad():  # small integers: sums of products are exact, whatever the order
-        for k, p in enumerate(net.parameters()):
-            p.copy_(integer_tensor(tuple(p.shape), seed=seed + k).double() / 4)
-    return net
+    return _integer_weights(net, seed)
+
+
+def _integer_weights(module: nn.Module, seed: int, only=None) -> nn.Module:
+    """Small integers / 4 in every parameter (of ``only``, default all): sums of products are exact in any order."""
+    with torch.no_grad():
+        for k, p in enumerate((only or module).parameters()):
+            p.copy_(integer_tensor(tuple(p.shape), seed=seed + k).to(p.dtype) / 4)
+    return module
 
 
 def _x(ctx, rows=10, cols=4):
@@ -64,10 +69,12 @@ def _all_reduces(counter) -> int:
 
 
 @contextlib.contextmanager
-def _bucketed_mlp(ctx):
-    """``(X, x, net, ref)``: the whole input and this rank's rows, the MLP in one bucket and its one-process twin."""
+def _bucketed(ctx, build=None):
+    """``(X, x, net, ref)``: the whole input and this rank's rows, a model (the MLP by default) in one
+    bucket and its one-process twin."""
     X, x = _x(ctx)
-    net, ref = _mlp(), _mlp()
+    net = build() if build else _mlp()
+    ref = copy.deepcopy(net)
     bucket_gradients(net, cap_mb=None)
     try:
         yield X, x, net, ref
@@ -134,9 +141,7 @@ class _Branches(nn.Module):
     def __init__(self):
         super().__init__()
         self.trunk, self.a, self.b = nn.Linear(4, 4).double(), nn.Linear(4, 2).double(), nn.Linear(4, 3).double()
-        with torch.no_grad():
-            for k, p in enumerate(self.parameters()):
-                p.copy_(integer_tensor(tuple(p.shape), seed=20 + k).double() / 4)
+        _integer_weights(self, seed=20)
 
     def forward(self, x, which="a"):
         h = torch.tanh(self.trunk(x))
@@ -146,11 +151,7 @@ class _Branches(nn.Module):
 
 @distributed
 def test_unused_and_reused_parameters(ctx):
-    X, x = _x(ctx)
-    net = _Branches()
-    ref = copy.deepcopy(net)
-    bucket_gradients(net, cap_mb=None)
-    try:
+    with _bucketed(ctx, _Branches) as (X, x, net, ref):
         _step(lambda t: net(t, "a"), x)
         _step(lambda t: ref(t, "a"), X)
         assert net.b.weight.grad is None and net.b.bias.grad is None
@@ -158,13 +159,11 @@ def test_unused_and_reused_parameters(ctx):
             assert (p.grad is None) == (q.grad is None)
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
-    finally:
-        clear_gradient_buckets()
 
 
 @distributed(world_sizes=(2, 3))
 def test_two_forwards_before_one_backward_and_accumulation(ctx):
-    with _bucketed_mlp(ctx) as (X, x, net, ref):
+    with _bucketed(ctx) as (X, x, net, ref):
         with count_collectives() as counted:
             _step(net, x, twice=True)  # one bucket node for both forwards
         _step(ref, X, twice=True)
@@ -177,7 +176,7 @@ def test_two_forwards_before_one_backward_and_accumulation(ctx):
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_a_parameter_changed_in_place_within_the_forward(ctx):
     """The changed parameter gets a new bucket node; both nodes reduce what reached them."""
-    with _bucketed_mlp(ctx) as (X, x, net, ref):
+    with _bucketed(ctx) as (X, x, net, ref):
 
         def run(model, inp):
             y = model[0](inp)
@@ -193,7 +192,7 @@ def test_a_parameter_changed_in_place_within_the_forward(ctx):
 
 @distributed(world_sizes=(1, 3))
 def test_no_grad_forwards_and_checkpointed_layers(ctx):
-    with _bucketed_mlp(ctx) as (X, x, net, ref):
+    with _bucketed(ctx) as (X, x, net, ref):
         with torch.no_grad():
             torch.testing.assert_close(net(x).full_tensor(), ref(X), rtol=1e-12, atol=1e-12)  # tanh, layer norm: ulps
         y = checkpoint(net[:3], x, use_reentrant=False)
@@ -204,16 +203,46 @@ def test_no_grad_forwards_and_checkpointed_layers(ctx):
         _assert_same_grads(net, ref)
 
 
+class _Mixed(nn.Module):
+    """A float64 linear, a 0-dim float64 scale, a float32 vector and a weight used through a view (``w.t()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3).double()
+        self.scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+        self.w32 = nn.Parameter(integer_tensor((3,), seed=31, dtype=torch.float32) / 4)
+        self.wt = nn.Parameter(integer_tensor((4, 3), seed=32) / 4)  # used as wt.t(): a view meets the data
+        _integer_weights(self, seed=40, only=self.lin)
+
+    def forward(self, x):
+        h = self.lin(x) * self.scale + self.w32
+        return h @ self.wt.t() + x
+
+
+@distributed
+def test_dtypes_a_scalar_parameter_and_a_parameter_used_through_a_view(ctx):
+    """float64 and float32 gradients pool apart; the view's weight is promoted per call; all exact."""
+    with _bucketed(ctx, _Mixed) as (X, x, net, ref):
+        _step(net, x)
+        _step(ref, X)
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            assert p.grad.dtype == q.grad.dtype and p.grad.shape == q.grad.shape, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6 if p.dtype == torch.float32 else 1e-12,
+                                       atol=1e-6 if p.dtype == torch.float32 else 1e-12, msg=name)
+
+
 def test_refused_arguments():
     w = nn.Parameter(torch.ones(3))
     with pytest.raises(TypeError, match="plain leaf tensors.*not a leaf"):
         bucket_gradients([w * 2])
+    with pytest.raises(TypeError, match="got int"):
+        bucket_gradients([w, 3])
     with pytest.raises(ValueError, match="cap_mb must be positive"):
         bucket_gradients([w], cap_mb=0)
     clear_gradient_buckets()
 
 
-def test_functional_layers_use_the_bucket_views():
+def test_plain_tensors_are_untouched_by_buckets():
     """Without a mesh nothing is promoted: bucketing a model changes nothing on plain tensors."""
     net = _mlp()
     bucket_gradients(net)

@@ -197,15 +197,14 @@ def _consumer_clock():
         pipe_module.time = saved
 
 
-@pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed
-def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, workers, tmp_path):
+def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, tmp_path):
     """A consumer that steps longer than a read gets reads in the background; one that asks at once
     gets them in the caller; switching in the middle of an epoch keeps order and values."""
     fields = darcy_flow(24, 16, seed=3)
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path, fields))
     read_s = 2 * _READ_S  # two variables per sample
-    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, shuffle=False) as pipe, \
+    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers="thread", prefetch=2, shuffle=False) as pipe, \
             _consumer_clock() as clock:
         dec = pipe.decompose(0)["pressure"]
         _, coord = _domain(ctx)
@@ -222,6 +221,8 @@ def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, w
 
         order = list(pipe.order.batches(0))
         everything = [i for b in order for i in b]
+        assert epoch(4 * read_s) == everything  # warm-up: the first reads include opening the file
+        switches = pipe._pace.switches
         assert epoch(4 * read_s) == everything and pipe.reading_ahead  # the step hides the reads
         del background[:]
         assert epoch(0.0) == everything and not pipe.reading_ahead  # nothing to hide behind
@@ -231,8 +232,27 @@ def test_reading_ahead_follows_the_consumer_and_never_changes_the_batches(ctx, w
         assert epoch(0.0) == everything and background == []
         assert epoch(4 * read_s) == everything and pipe.reading_ahead
         assert len(background) >= len(order) - 2
-        assert pipe._pace.switches == 2
-        assert pipe.bytes_read == 4 * len(everything) * 2 * int(np.prod(dec.local_shape(coord))) * 4
+        assert pipe._pace.switches == switches + 2
+        assert pipe.bytes_read == 5 * len(everything) * 2 * int(np.prod(dec.local_shape(coord))) * 4
+
+
+@distributed(world_sizes=(1, 3))
+def test_the_reader_process_always_reads_ahead_and_the_training_process_opens_nothing(ctx, tmp_path):
+    """Reading in the caller would open the source's files in the training process, and a reader
+    forked later would inherit them: a second pipe on the same netCDF source hung that way."""
+    path = _shared(ctx, lambda: write_grid("netcdf", tmp_path))
+    source = open_grid("netcdf", path)
+    full = grid_fields()["pressure"]
+    for _ in range(2):  # the second pipe forks its reader after the first pipe's reads
+        with DomainPipe(source, ctx.mesh, workers="process", shuffle=False) as pipe, _consumer_clock():
+            background = _spy_on_background_reads(pipe)
+            dec = pipe.decompose(0)["pressure"]
+            _, coord = _domain(ctx)
+            for batch in pipe:  # a consumer that asks at once
+                assert np.array_equal(batch["pressure"].to_local().numpy(),
+                                      full[list(batch.samples)][(slice(None), *dec.box(coord))])
+            assert pipe.reading_ahead and background == [b[0] for b in pipe.order.batches(0)]
+            assert source._handles() == {}  # nothing opened here
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
@@ -251,13 +271,12 @@ def test_prefetch_reads_that_many_batches_while_the_consumer_holds_one(ctx, work
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed(world_sizes=(3,), mesh_2d=False)
-def test_random_steps_switch_the_reads_anywhere_and_keep_every_batch(ctx, workers, seed, tmp_path):
+def test_random_steps_switch_the_reads_anywhere_and_keep_every_batch(ctx, seed, tmp_path):
     fields = darcy_flow(24, 16, seed=5)
     path = _shared(ctx, lambda: write_grid("hdf5", tmp_path, fields))
     steps = _runs_of_steps(np.random.default_rng(seed + 10 * ctx.rank), 24)  # per rank: the pipe needs no agreement
-    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers=workers, prefetch=2, seed=seed,
+    with DomainPipe(_SlowFields(path, VARIABLES), ctx.mesh, workers="thread", prefetch=2, seed=seed,
                     batch_size=2) as pipe, _consumer_clock() as clock:
         dec = pipe.decompose(0)["permeability"]
         for e in range(2):

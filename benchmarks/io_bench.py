@@ -8,9 +8,9 @@ optionally gzip on the same chunks) every rank reads its slab of every
 sample, first with a bare loop of ``Dataset.read_direct`` into preallocated
 buffers (the floor the pipe is compared with), then with :class:`DomainPipe`
 reading in the caller (``prefetch=0``), in a background thread and in a
-reader process (the thread adaptive: reading ahead only while the consumer's
-step can hide a read; the process always reads ahead), and in the reader
-thread with ``adaptive_prefetch=False`` (``thread-always``). Each measured regime (no step, each step kind) has its own
+reader process (adaptive: reading ahead only while the consumer's step can
+hide a read), and in the two background readers with ``adaptive_prefetch=False``
+(``-always``). Each measured regime (no step, each step kind) has its own
 pipe, as a training run's consumer keeps one regime. Reported per rank and mode:
 
 * ``ratio``: pipe throughput / bare throughput with nothing else to do (1.0 =
@@ -62,8 +62,9 @@ from benchmarks._timing import fastest, fastest_by  # noqa: E402
 VARIABLES = ("u0", "u")
 MODES = {"inline": dict(prefetch=0), "thread": dict(prefetch=2, workers="thread"),
          "process": dict(prefetch=2, workers="process"),
-         # reading ahead even with nothing to hide behind: what the thread's adaptive default avoids
-         "thread-always": dict(prefetch=2, workers="thread", adaptive_prefetch=False)}
+         # reading ahead even with nothing to hide behind: what the adaptive default avoids
+         "thread-always": dict(prefetch=2, workers="thread", adaptive_prefetch=False),
+         "process-always": dict(prefetch=2, workers="process", adaptive_prefetch=False)}
 
 
 def _args(argv=None) -> argparse.Namespace:

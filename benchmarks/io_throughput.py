@@ -5,11 +5,11 @@ also runs standalone with more options): every rank reads its slab of every
 sample of a contiguous and a chunked HDF5 file (chunks aligned with the rank
 slabs), first with a bare ``read_direct`` loop into preallocated buffers, then
 through :class:`datapipes.DomainPipe` without prefetch (``inline``) and with
-prefetch in a reader thread (the default ``adaptive_prefetch``: it reads in
-the caller while the consumer leaves no time to hide a read behind, as in the
-throughput runs) and in a reader process (which always reads ahead), and the
-thread once more with ``adaptive_prefetch=False`` (rows "prefetch always",
-without targets: the cost of reading ahead with nothing to overlap). Files are read from the
+prefetch in a reader thread and in a reader process (the default
+``adaptive_prefetch``: it reads in the caller while the consumer leaves no time
+to hide a read behind, as in the throughput runs), and once more with
+``adaptive_prefetch=False`` (rows "prefetch always", without targets: the cost
+of reading ahead with nothing to overlap). Files are read from the
 page cache after a warm-up epoch: the figures measure the software path, not
 the disk. Ratio = pipe throughput / bare throughput, averaged over ranks, by
 two clocks: wall time, and CPU time of the rank and its reader process
@@ -36,7 +36,7 @@ from ._record import Result, over_ranks
 SUITE = "io"
 _LAYOUTS = ("contiguous", "chunked")
 _MODES = {"inline": "no prefetch", "thread": "prefetch, reader thread", "process": "prefetch, reader process",
-          "thread-always": "prefetch always, reader thread"}
+          "thread-always": "prefetch always, reader thread", "process-always": "prefetch always, reader process"}
 #: The simulated training step lasts this many bare reads of a batch: a step that
 #: computes longer than a read takes, so that prefetching can hide the read entirely.
 _STEP_FACTOR = 2.0
@@ -91,7 +91,7 @@ def run(mesh, size: int, samples: int, epochs: int, compare_dtensor: bool = Fals
         slab = row["slab_MiB_per_epoch"]
         for mode, label in _MODES.items():
             m = row["modes"][mode]
-            forced = mode.endswith("-always")  # shown for comparison: the thread's default is adaptive
+            forced = mode.endswith("-always")  # shown for comparison: the default is adaptive
             clocks = (("wall", m["epoch_s"], row["bare_s"]), ("CPU", m["cpu_s"], row["bare_cpu_s"]))
             for clock, pipe_s, bare_s in clocks:
                 unit = "MiB/s" if clock == "wall" else "MiB per CPU s"

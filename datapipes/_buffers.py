@@ -146,6 +146,13 @@ class BufferPool:
         weakref.finalize(owner, self.release, buf)
         return arrays
 
+    def trim(self) -> None:
+        """Free every idle buffer (the pipe stopped using this pool for now); the pool stays usable."""
+        with self._lock:
+            idle, self._free = self._free, []
+            for buf in idle:
+                self._drop(buf)
+
     def take_freed_names(self) -> tuple[str, ...]:
         """Names of shared buffers freed since the last call (a reader process detaches them)."""
         with self._lock:

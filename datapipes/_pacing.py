@@ -2,18 +2,17 @@
 
 A read in flight hides behind the consumer's work between two batches (its
 *gap*: the training step). It is not free: the batch goes through a hand-off
-(a queue for a reader thread) and the reads rotate through several buffers
+(a queue for a reader thread; a pickled task and reply for a reader process,
+whose buffers are shared memory, which cannot use huge pages and so take
+8-11 % longer to fill here) and the reads rotate through several buffers
 instead of refilling the one the consumer just dropped. Measured on this
 machine, 32 MiB batches at one rank: a thread reading ahead reached 0.86-0.94
-of a bare ``read_direct`` loop, reading in the caller 0.96-1.03. So when the
-consumer asks for the next batch straight away there is nothing to hide the
-read behind, and reading ahead only adds its cost.
-
-The pipe applies this to its reader thread only. A reader process always
-reads ahead (0.82-0.86 of the bare loop with nothing to overlap, its shared
-memory taking no huge pages here): reading in the training process would
-open the source's files there, and a reader forked from it later inherits
-them (see :class:`datapipes.pipe.DomainPipe`).
+of a bare ``read_direct`` loop, a process 0.82-0.86, reading in the caller
+0.96-1.03. So when the consumer asks for the next batch straight away there
+is nothing to hide the read behind, and reading ahead only adds its cost.
+Reading in the caller opens the source's files in the training process; they
+are closed before it forks again (:mod:`datapipes._fork_guard`), so a reader
+forked later never inherits them.
 
 :class:`ReadAhead` therefore keeps reads in flight while the consumer's gap is
 at least :data:`START` of a read's time, and reads in the caller once it falls

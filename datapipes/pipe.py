@@ -91,15 +91,14 @@ class DomainPipe:
             current one; 0 reads in the caller.
         workers: ``"process"`` (default; one forked reader per rank, not
             serialized by h5py's lock) or ``"thread"``.
-        adaptive_prefetch: with ``workers="thread"``, read ahead only while
-            the consumer keeps each batch long enough for a read to hide behind
-            (at least a quarter of a read's time), and read in the caller while
-            it asks again at once, where reading ahead could hide nothing and
-            only costs its hand-off (see :mod:`datapipes._pacing`). False reads
-            ahead always. The reader process always reads ahead: the training
-            process must not open the source's files itself, since a reader
-            forked from it later inherits them (a netCDF file opened through
-            xarray's file cache hung such a reader).
+        adaptive_prefetch: read ahead only while the consumer keeps each batch
+            long enough for a read to hide behind (at least a quarter of a
+            read's time), and read in the caller while it asks again at once,
+            where reading ahead could hide nothing and only costs its hand-off
+            (see :mod:`datapipes._pacing`). False reads ahead always. Files
+            the training process opens this way are closed before it forks
+            (another pipe's reader, ``DataLoader`` workers): no child
+            inherits an open file (:mod:`datapipes._fork_guard`).
         device: where batches go (default: the mesh's device type).
         validate: raise :class:`~datapipes.errors.InvalidValuesError` on NaN/inf.
         ddp_dim: name of the mesh dim that splits samples.
@@ -136,12 +135,15 @@ class DomainPipe:
         self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
         self._seq = 0
-        self._pace = ReadAhead(enabled=adaptive_prefetch and self.workers == "thread")
+        self._pace = ReadAhead(enabled=adaptive_prefetch)
         # in flight, plus the batch the consumer holds and the one it has just dropped
         self._pool = BufferPool(shared=self.workers == "process", max_idle=self.prefetch + 2)
+        # reads in the caller: the batch being read and the one the consumer holds. Private memory
+        # (huge pages) even when the reader process needs shared memory: see datapipes._pacing.
+        self._own_pool = BufferPool(shared=False, max_idle=2) if self._pool.shared else self._pool
         self._reader: list = [None]  # started by the first iteration; a list so the finalizer sees it
         self._label = ""  # this rank in validation errors, set by the first iteration
-        self._closer = weakref.finalize(self, _close, self._pool, self._reader)
+        self._closer = weakref.finalize(self, _close, (self._pool, self._own_pool), self._reader)
         self._layouts: dict[tuple, _Layout] = {}  # see _layout
         self.decompose(0)  # a bad split fails here, not in the first batch
 
@@ -204,19 +206,19 @@ class DomainPipe:
                     submitted += 1
                 if inflight:  # in order: reads in the caller start only once none is in flight
                     task, buffer, layout = inflight.popleft()
-                    run = reader.result
+                    pool, run = self._pool, reader.result
                 else:
-                    task, buffer, layout = self._task(batches[submitted])
+                    task, buffer, layout = self._task(batches[submitted], self._own_pool)
                     submitted += 1
-                    run = self._reader_in_caller(task, buffer)
+                    pool, run = self._own_pool, self._reader_in_caller(task, buffer)
                 try:
                     nbytes, seconds = run()
                 except BaseException:
-                    self._pool.release(buffer)
+                    pool.release(buffer)
                     raise
                 self.bytes_read += nbytes
                 self._pace.observe_read(seconds)
-                batch = self._wrap(task, self._pool.hand_out(buffer, task.arrays), layout)
+                batch = self._wrap(task, pool.hand_out(buffer, task.arrays), layout)
                 # the next reads start now, once this batch is ready: they overlap with the consumer's step,
                 # and waking the reader does not delay the hand-out
                 while ahead and submitted < len(batches) and len(inflight) < self.prefetch:
@@ -227,6 +229,8 @@ class DomainPipe:
                 yield batch
                 del batch  # the frame must not keep the consumer's last batch (and its buffer) alive
                 self._pace.observe_gap(time.perf_counter() - handed)
+                if ahead != self.reading_ahead and self._own_pool is not self._pool:
+                    (self._own_pool if self.reading_ahead else self._pool).trim()  # the idle buffers of the mode left
             self._epoch, self._position = epoch + 1, 0
         finally:
             self._drain(reader, inflight)
@@ -262,15 +266,15 @@ class DomainPipe:
 
     def _submit(self, reader, samples: tuple[int, ...]):
         """Hand the read of ``samples`` to the background reader."""
-        task, buffer, layout = self._task(samples, self._pool.take_freed_names())
+        task, buffer, layout = self._task(samples, self._pool, self._pool.take_freed_names())
         reader.submit(task, buffer.memory)
         return task, buffer, layout
 
-    def _task(self, samples: tuple[int, ...], detach: tuple[str, ...] = ()):
-        """The read of ``samples``: its task, a pooled buffer and the batch layout."""
+    def _task(self, samples: tuple[int, ...], pool: BufferPool, detach: tuple[str, ...] = ()):
+        """The read of ``samples``: its task, a buffer from ``pool`` and the batch layout."""
         decs = [self.decompose(i) for i in samples]
         layout = self._layout(decs)
-        buffer = self._pool.acquire(layout.nbytes)
+        buffer = pool.acquire(layout.nbytes)
         self._seq += 1
         task = ReadTask(self._seq, buffer.name, layout.arrays, tuple(samples), layout.boxes(decs), detach)
         return task, buffer, layout
@@ -388,10 +392,11 @@ class _Layout:
         return out
 
 
-def _close(pool: BufferPool, reader: list) -> None:
+def _close(pools: tuple[BufferPool, ...], reader: list) -> None:
     if reader[0] is not None:
         reader[0].close()
-    pool.close()
+    for pool in pools:
+        pool.close()
 
 
 def _freeze_sizes(sizes, ndim: int):

@@ -15,8 +15,9 @@ the same :func:`fill`, answer in submission order, and report how long each
 read took (the pipe's :class:`~datapipes._pacing.ReadAhead` compares it with
 the consumer's step to decide whether reading ahead pays).
 The reader process is forked, like ``torch.utils.data.DataLoader`` workers,
-so the source and the transforms need not pickle; sources never use a file
-handle opened before the fork (see :class:`datapipes.source.Source`).
+so the source and the transforms need not pickle; a process closes its
+sources' files before it forks, so no reader inherits one (see
+:mod:`datapipes._fork_guard`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from . import _fork_guard
 from ._buffers import ArraySpec, view_arrays
 from .errors import InvalidValuesError
 from .source import Box, Source
@@ -68,11 +70,12 @@ def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform]
     """
     arrays = view_arrays(memory, task.arrays)
     nbytes = 0
-    for row, (index, boxes) in enumerate(zip(task.samples, task.boxes)):
-        for name, array in arrays.items():
-            nbytes += source.read(index, name, boxes[name], array[row])
-            if validate:
-                _check_finite(array[row], source, index, name, boxes[name], rank)
+    with _fork_guard.reading():  # a fork in another thread closes the source's files, but not mid-read
+        for row, (index, boxes) in enumerate(zip(task.samples, task.boxes)):
+            for name, array in arrays.items():
+                nbytes += source.read(index, name, boxes[name], array[row])
+                if validate:
+                    _check_finite(array[row], source, index, name, boxes[name], rank)
     if transforms:
         tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
         for transform in transforms:

@@ -8,8 +8,9 @@ exactly the bytes requested from the storage library.
 
 The pipe's reader process is forked, so it inherits the source object.
 File handles are therefore opened lazily and kept per process (see
-:meth:`Source._handles`): a handle opened before a fork is never used by the
-child, which would corrupt HDF5's state. Sources also pickle without their
+:meth:`Source._handles`), and a process closes them before it forks
+(:mod:`datapipes._fork_guard`): a child never holds an open HDF5 file of its
+parent, which would corrupt HDF5's state. Sources also pickle without their
 handles, for users who hand them to spawned processes.
 """
 
@@ -22,6 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from . import _fork_guard
 from .decomposition import DomainDecomposition
 from .errors import DataPipeError
 
@@ -72,15 +74,21 @@ class Source(ABC):
         return {}
 
     def close(self) -> None:
-        """Drop this process's open handles."""
-        self._handles().clear()
+        """Drop this process's open handles (subclasses close them first); the next read reopens."""
+        self.__dict__.pop("_handle_cache", None)
+        self.__dict__.pop("_handles_pid", None)
 
     # ------------------------------------------------------ per-process handles
     def _handles(self) -> dict:
-        """Open handles of *this* process; a forked child starts with none."""
+        """Open handles of *this* process; a forked child starts with none.
+
+        A process closes them before it forks (:mod:`datapipes._fork_guard`),
+        so a child never holds a copy of an open file either.
+        """
         if getattr(self, "_handles_pid", None) != os.getpid():
             self._handles_pid = os.getpid()
             self._handle_cache = {}
+            _fork_guard.track(self)
         return self._handle_cache
 
     def __getstate__(self) -> dict:

@@ -35,6 +35,31 @@ def test_a_buffer_returns_when_the_last_view_of_any_array_dies(shared):
         pool.close()
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_trim_frees_idle_buffers_and_leaves_handed_out_ones_alone(shared):
+    pool = BufferPool(shared=shared, max_idle=4)
+    try:
+        specs, nbytes = layout_arrays({"a": ((8,), np.float32)})
+        idle = [pool.acquire(nbytes) for _ in range(2)]
+        held = pool.acquire(nbytes)
+        arrays = pool.hand_out(held, specs)
+        arrays["a"][:] = 3.0
+        for buf in idle:
+            pool.release(buf)
+        pool.trim()
+        assert all(buf.memory is None for buf in idle) == shared  # shared memory is unlinked at once
+        assert sorted(pool.take_freed_names()) == (sorted(b.name for b in idle) if shared else [])
+        fresh = pool.acquire(nbytes)
+        assert all(fresh is not buf for buf in idle)  # trimmed buffers are never handed out again
+        assert arrays["a"].tolist() == [3.0] * 8
+        pool.release(fresh)
+        del arrays
+        gc.collect()
+        assert pool.acquire(nbytes) is held  # the batch let go after the trim: its buffer is reused
+    finally:
+        pool.close()
+
+
 def test_a_batch_that_outlives_its_pool_is_unmapped_quietly(monkeypatch):
     """The last array's finalizer frees the shared block while numpy still views it: unmapping waits."""
     from datapipes import _buffers

@@ -15,9 +15,10 @@ import time
 import numpy as np
 import pytest
 
-from datapipes import _fork_guard
-from datapipes.prefetch import ReadTask, fill
+from datapipes import MeshSource, _fork_guard, prepare_mesh
 from datapipes._buffers import ArraySpec
+from datapipes.prefetch import ReadTask, fill
+from datapipes.synthetic import point_cloud
 
 from ._data import GRID_FORMATS, VARIABLES, grid_fields, open_grid, write_grid
 
@@ -122,3 +123,21 @@ def test_the_guard_is_reentrant_and_fresh_in_the_child():
         assert _forked(lambda: _fork_guard.reading().acquire(blocking=False)) == 0
     assert _fork_guard.reading().acquire(blocking=False)  # released again in the parent
     _fork_guard.reading().release()
+
+
+def test_a_mesh_source_is_closed_at_a_fork_too(tmp_path):
+    mesh = point_cloud(120, kind="volume", seed=4)
+    source = MeshSource(prepare_mesh(tmp_path / "v.h5", mesh.points, mesh.fields))
+    n = source.num_points(0)
+
+    def points() -> np.ndarray:
+        out = np.empty((n, 3), source.dtype("points"))
+        source.read(0, "points", (slice(0, n), slice(0, 3)), out)
+        return out
+
+    want = points()
+    held = _open_handles(source)
+    assert held
+    assert _forked(lambda: np.array_equal(points(), want)) == 0
+    assert _open_handles(source) == [] and not held[0].id.valid
+    assert np.array_equal(points(), want)

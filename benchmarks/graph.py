@@ -66,7 +66,8 @@ def _plate(around: int, rings: int) -> tuple[np.ndarray, np.ndarray]:
     return mesh.points[order], inverse[mesh.cells]
 
 
-def _model(width: int, layers: int, device):
+def model(width: int, layers: int, device):
+    """``examples/graph_models.MeshGraphNet`` (user code: its folder goes on ``sys.path``), seeded."""
     folder = str(Path(__file__).resolve().parents[1] / "examples")
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -76,7 +77,7 @@ def _model(width: int, layers: int, device):
     return MeshGraphNet(2, 3, 1, width=width, layers=layers).to(device)
 
 
-def _inputs(mesh, around: int, rings: int):
+def inputs(mesh, around: int, rings: int):
     """Plain ``(x, e, src, dst)`` on one device and this rank's sharded ones (graph built as in training)."""
     points, cells = _plate(around, rings)
     device = mesh_device(mesh)
@@ -97,10 +98,10 @@ def _inputs(mesh, around: int, rings: int):
     return (x_full, e_full, src, dst), (x, graph.edge_features, graph.graph.src, graph.graph.dst), graph.graph
 
 
-def _step(net, inputs) -> None:
+def step(net, args) -> None:
     """Forward and backward with a unit upstream gradient (as ``memory_scaling``'s train step)."""
     net.zero_grad(set_to_none=True)
-    y = net(*inputs)
+    y = net(*args)
     y.backward(torch.ones_like(y))
 
 
@@ -120,8 +121,8 @@ def ghost_fractions(around: int, rings: int, parts=CURVE_P) -> dict[int, float]:
 
 def run(mesh, around: int, rings: int, width: int, layers: int, compare_dtensor: bool = False) -> list[Result]:
     P = mesh.size()
-    net = _model(width, layers, mesh_device(mesh))
-    plain, sharded, graph = _inputs(mesh, around, rings)
+    net = model(width, layers, mesh_device(mesh))
+    plain, sharded, graph = inputs(mesh, around, rings)
     n = len(plain[0])
     results = []
     ghosts = over_ranks(graph.num_ghosts)
@@ -136,8 +137,8 @@ def run(mesh, around: int, rings: int, width: int, layers: int, compare_dtensor:
         minimum = layers * ghosts * width * torch.finfo(torch.float32).bits // 8
         results.append(Result(SUITE, "meshgraphnet forward: ghost bytes / minimum", P, moved, minimum, "bytes",
                               ("<=", 1.1)))
-    single = peak_bytes(lambda: _step(net, plain))
-    per_rank = over_ranks(peak_bytes(lambda: _step(net, sharded)), "max")
+    single = peak_bytes(lambda: step(net, plain))
+    per_rank = over_ranks(peak_bytes(lambda: step(net, sharded)), "max")
     results.append(Result(SUITE, f"meshgraphnet step ({n} nodes), strong: per-rank peak / ideal", P, per_rank,
                           single / P, "bytes", ("<=", 1.2)))
     return results

@@ -19,22 +19,26 @@ At ``P = 1`` the ratio is plain torch over ShardTensor on one rank.
 
 Models: the conv net (three 3x3 convolutions, sharded along its rows; the
 columns stay whole), the transformer block (``nn.TransformerEncoderLayer``,
-sharded along the sequence: ring attention), and the FNO of
+sharded along the sequence: ring attention), the FNO of
 ``examples/spectral_models.py`` (4 Fourier layers, sharded along its rows:
-every FFT transposes). ``run.py`` draws one PNG per model, efficiency against
+every FFT transposes), and the MeshGraphNet of ``examples/graph_models.py``
+on the plate-with-hole mesh of :mod:`.graph` (nodes in Hilbert order split
+in contiguous ranges, graph built as training builds it; every processor
+layer fetches its ghost nodes' latents). ``run.py`` draws one PNG per model, efficiency against
 the local size with one line per ``P``, and marks where each line crosses
 0.9. There is no target: the curve is what a user reads to choose.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from . import _models
+from . import _models, graph
 from ._record import Result, over_ranks
 from ._timing import fastest_by
 
@@ -46,10 +50,25 @@ GOOD = 0.9
 def sizes(tiny: bool, scale: float) -> dict:
     if tiny:
         return dict(conv_rows=(4, 8, 16), conv_cols=8, width=4, tokens=(8, 16, 32), dim=16, fno_rows=(8, 16, 32),
-                    fno_cols=16, rounds=1)  # fmt: skip
+                    fno_cols=16, graph_nodes=(32, 64, 128), rounds=1)  # fmt: skip
     return dict(conv_rows=tuple(int(n * scale) for n in (16, 64, 256)), conv_cols=int(256 * scale), width=16,
                 tokens=tuple(int(n * scale) for n in (64, 256, 1024)), dim=64,
-                fno_rows=tuple(int(n * scale) for n in (16, 64, 128)), fno_cols=int(128 * scale), rounds=5)  # fmt: skip
+                fno_rows=tuple(int(n * scale) for n in (16, 64, 128)), fno_cols=int(128 * scale),
+                graph_nodes=tuple(_power_of_two(n * scale) for n in (256, 1024, 4096, 16384)), rounds=5)  # fmt: skip
+
+
+def _power_of_two(x: float) -> int:
+    return 1 << max(5, round(math.log2(x)))  # the smallest plate has 32 nodes
+
+
+def _plate_shape(nodes: int) -> tuple[int, int]:
+    """``(around, rings)`` of a plate with exactly ``nodes`` nodes (a power of two, at least 32), about 4x longer around.
+
+    The plate has ``around * (rings + 1)`` nodes; both factors are powers of
+    two, and ``plate_with_hole`` needs ``around >= 8`` and ``rings >= 2``.
+    """
+    across = 1 << max(2, int(math.log2(math.sqrt(nodes / 4))))  # rings + 1
+    return nodes // across, across - 1
 
 
 def _fno(width: int) -> torch.nn.Module:
@@ -83,31 +102,42 @@ def _work_clock(mesh):
     return time.perf_counter, module.synchronize
 
 
-def run(mesh, conv_rows, conv_cols: int, width: int, tokens, dim: int, fno_rows, fno_cols: int, rounds: int,
-        compare_dtensor: bool = False) -> list[Result]:  # fmt: skip
+def run(mesh, conv_rows, conv_cols: int, width: int, tokens, dim: int, fno_rows, fno_cols: int, graph_nodes,
+        rounds: int, compare_dtensor: bool = False) -> list[Result]:  # fmt: skip
     P = mesh.size()
-    clock, sync = _work_clock(mesh)
+    device = _models.mesh_device(mesh)
     extents = {"conv net": conv_rows, "transformer block": tokens, "fno": fno_rows}
     results = []
     for name, (build, shape, dim_, unit) in _cases(conv_cols, width, dim, fno_cols).items():
         torch.manual_seed(0)
-        net = build().to(_models.mesh_device(mesh))
+        net = build().to(device)
         for n in extents[name]:
-            plain = _models.global_input(shape(n * P)).to(_models.mesh_device(mesh))
+            plain = _models.global_input(shape(n * P)).to(device)
             sharded = _models.shard(plain, mesh, dim_)
-
-            def step(x):
-                _models.train_step(net, x)
-                sync()
-
-            best = fastest_by({"plain": lambda: step(plain), "sharded": lambda: step(sharded)}, rounds, [clock])
-            if clock is time.process_time:
-                single, everyone = best["plain"][0], over_ranks(best["sharded"][0])
-            else:  # the slowest rank's step, P of them
-                single, everyone = best["plain"][0], P * over_ranks(best["sharded"][0], "max")
-            results.append(Result(SUITE, f"{name}: parallel efficiency, {unit}", P, single, everyone, "s",
-                                  local_size=n))  # fmt: skip
+            results.append(_efficiency(mesh, f"{name}: parallel efficiency, {unit}", n, rounds,
+                                       lambda x: _models.train_step(net, x), plain, sharded))  # fmt: skip
+    net = graph.model(width, 4, device)
+    for n in graph_nodes:
+        plain, sharded, _ = graph.inputs(mesh, *_plate_shape(n * P))
+        results.append(_efficiency(mesh, f"meshgraphnet: parallel efficiency, nodes per rank (width {width}, 4 layers)",
+                                   n, rounds, lambda args: graph.step(net, args), plain, sharded))  # fmt: skip
     return results
+
+
+def _efficiency(mesh, case: str, n: int, rounds: int, step, plain, sharded) -> Result:
+    """One point of a curve: ``step`` on the whole input on this rank vs on every rank's shard."""
+    clock, sync = _work_clock(mesh)
+
+    def timed(x):
+        step(x)
+        sync()
+
+    best = fastest_by({"plain": lambda: timed(plain), "sharded": lambda: timed(sharded)}, rounds, [clock])
+    if clock is time.process_time:
+        single, everyone = best["plain"][0], over_ranks(best["sharded"][0])
+    else:  # the slowest rank's step, P of them
+        single, everyone = best["plain"][0], mesh.size() * over_ranks(best["sharded"][0], "max")
+    return Result(SUITE, case, mesh.size(), single, everyone, "s", local_size=n)
 
 
 def crossing(points: list[tuple[float, float]], level: float = GOOD) -> float | None:

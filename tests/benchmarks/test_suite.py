@@ -50,7 +50,7 @@ def test_every_suite_reports_at_every_world_size_and_has_a_plot(report):
         assert {ws for s, ws in seen if s == suite} == {2, 4}, suite
     for suite in suites - {"scaling_curves"}:
         assert (out / f"{suite}.png").stat().st_size > 0
-    for model in ("conv_net", "transformer_block", "fno"):  # curves: one plot per model
+    for model in ("conv_net", "transformer_block", "fno", "meshgraphnet"):  # curves: one plot per model
         assert (out / f"scaling_curves_{model}.png").stat().st_size > 0
     meta = data["meta"]
     assert meta["world_sizes"] == list(WORLD_SIZES) and meta["tiny"] and meta["compare_dtensor"]
@@ -101,7 +101,7 @@ def test_graph_ghost_fraction_plot(report):
 def test_scaling_curves_have_three_sizes_per_model_and_world_size(report):
     _, data = report
     curves = [r for r in data["results"] if r["suite"] == "scaling_curves"]
-    for model in ("conv net", "transformer block", "fno"):
+    for model in ("conv net", "transformer block", "fno", "meshgraphnet"):
         for ws in WORLD_SIZES:
             sizes = {r["local_size"] for r in curves if r["case"].startswith(model) and r["world_size"] == ws}
             assert len(sizes) >= 3, (model, ws, sizes)

@@ -24,7 +24,10 @@ sharded along the sequence: ring attention), the FNO of
 every FFT transposes), and the MeshGraphNet of ``examples/graph_models.py``
 on the plate-with-hole mesh of :mod:`.graph` (nodes in Hilbert order split
 in contiguous ranges, graph built as training builds it; every processor
-layer fetches its ghost nodes' latents). ``run.py`` draws one PNG per model, efficiency against
+layer fetches its ghost nodes' latents). Every model's promoted weights have
+their gradients summed in buckets (:func:`physicsnemo_dp.bucket_gradients`),
+as ``parallelize_model`` sets them up by default: the curves show the
+recommended setup. ``run.py`` draws one PNG per model, efficiency against
 the local size with one line per ``P``, and marks where each line crosses
 0.9. There is no target: the curve is what a user reads to choose.
 """
@@ -37,6 +40,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from physicsnemo_dp import bucket_gradients
+from physicsnemo_dp.promotion import clear_gradient_buckets
 
 from . import _models, graph
 from ._record import Result, over_ranks
@@ -108,19 +114,24 @@ def run(mesh, conv_rows, conv_cols: int, width: int, tokens, dim: int, fno_rows,
     device = _models.mesh_device(mesh)
     extents = {"conv net": conv_rows, "transformer block": tokens, "fno": fno_rows}
     results = []
-    for name, (build, shape, dim_, unit) in _cases(conv_cols, width, dim, fno_cols).items():
-        torch.manual_seed(0)
-        net = build().to(device)
-        for n in extents[name]:
-            plain = _models.global_input(shape(n * P)).to(device)
-            sharded = _models.shard(plain, mesh, dim_)
-            results.append(_efficiency(mesh, f"{name}: parallel efficiency, {unit}", n, rounds,
-                                       lambda x: _models.train_step(net, x), plain, sharded))  # fmt: skip
-    net = graph.model(width, 4, device)
-    for n in graph_nodes:
-        plain, sharded, _ = graph.inputs(mesh, *_plate_shape(n * P))
-        results.append(_efficiency(mesh, f"meshgraphnet: parallel efficiency, nodes per rank (width {width}, 4 layers)",
-                                   n, rounds, lambda args: graph.step(net, args), plain, sharded))  # fmt: skip
+    try:
+        for name, (build, shape, dim_, unit) in _cases(conv_cols, width, dim, fno_cols).items():
+            torch.manual_seed(0)
+            net = build().to(device)
+            bucket_gradients(net)
+            for n in extents[name]:
+                plain = _models.global_input(shape(n * P)).to(device)
+                sharded = _models.shard(plain, mesh, dim_)
+                results.append(_efficiency(mesh, f"{name}: parallel efficiency, {unit}", n, rounds,
+                                           lambda x: _models.train_step(net, x), plain, sharded))  # fmt: skip
+        net = graph.model(width, 4, device)
+        bucket_gradients(net)
+        for n in graph_nodes:
+            plain, sharded, _ = graph.inputs(mesh, *_plate_shape(n * P))
+            results.append(_efficiency(mesh, f"meshgraphnet: parallel efficiency, nodes per rank (width {width}, 4 layers)",
+                                       n, rounds, lambda args: graph.step(net, args), plain, sharded))  # fmt: skip
+    finally:
+        clear_gradient_buckets()
     return results
 
 

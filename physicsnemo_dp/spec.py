@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _layout
+from ._meshes import canonical
 from .errors import PlacementError
 from ._torch_compat import DTensorSpec, TensorMeta
 
@@ -101,7 +102,7 @@ class ShardTensorSpec(DTensorSpec):
         global_shape = tuple(int(s) for s in global_shape)
         placements = _layout.normalize_placements(placements, mesh.ndim, len(global_shape))
         dim_sizes = tuple(None if t is None else tuple(int(s) for s in t) for t in dim_sizes)
-        return _built_spec(cls, _Identity(mesh), placements, global_shape, dtype, dim_sizes)
+        return _built_spec(cls, _Identity(canonical(mesh)), placements, global_shape, dtype, dim_sizes)
 
     @classmethod
     def chunked(
@@ -241,9 +242,12 @@ class ShardTensorSpec(DTensorSpec):
         return DTensorSpec.__hash__(self)
 
     def __eq__(self, other: object, /) -> bool:
-        if not DTensorSpec._check_equals(self, other):
+        """Same layout on the same mesh and process groups (:mod:`._meshes`; copies made by tracing count as same)."""
+        if not isinstance(other, ShardTensorSpec):
             return False
-        return isinstance(other, ShardTensorSpec) and self._dim_sizes == other._dim_sizes
+        if self.mesh is not other.mesh and canonical(self.mesh) is not canonical(other.mesh):
+            return False
+        return DTensorSpec._check_equals(self, other) and self._dim_sizes == other._dim_sizes
 
     def __repr__(self) -> str:
         sizes = {d: t for d, t in enumerate(self._dim_sizes) if t is not None}

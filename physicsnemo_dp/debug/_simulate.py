@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention import SDPBackend
 
+from .. import _meshes
 from .. import _torch_compat as tc
 from .._conversion import FromLocal
 from ..collectives import mesh_device
@@ -297,6 +298,7 @@ def _forget_cached_plans() -> None:
         for value in list(vars(module).values()):
             if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
                 value.cache_clear()
+    _meshes.forget()  # a canonical mesh knows which rank it was made on
 
 
 @contextlib.contextmanager

@@ -105,6 +105,13 @@ class MeshContext:
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` or None (fp32).
             Only FSDP2 applies it, so it needs ``strategy=FSDP2Config``.
         trainability: which parameters are frozen.
+        gradient_bucket_mb: the gradients that weights promoted over
+            ``"domain"`` receive are summed in buckets of at most this many
+            MiB, one all-reduce per bucket, in reverse order like DDP's
+            buckets (:func:`physicsnemo_dp.bucket_gradients`); None sums them
+            per layer call. Default 25, DDP's default. Not applied under
+            FSDP2 (the promoted weights are its unsharded copies) nor when
+            ``"domain"`` has one rank (nothing to sum).
     """
 
     mesh: DeviceMesh
@@ -112,6 +119,7 @@ class MeshContext:
     activation_checkpointing: ActivationCheckpointing | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
     trainability: Trainability = field(default_factory=Trainability)
+    gradient_bucket_mb: float | None = 25.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -139,6 +147,12 @@ class MeshContext:
                 )
         if not isinstance(self.trainability, Trainability):
             raise TypeError(f"trainability must be a Trainability, got {type(self.trainability).__name__}")
+        cap = self.gradient_bucket_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(
+                f"gradient_bucket_mb must be a positive number of MiB or None (one all-reduce per layer call), "
+                f"got {cap!r}"
+            )
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -159,7 +173,7 @@ class MeshContext:
         gives a (4, 2) mesh. Joins the default process group first if needed
         (torchrun's environment, or a single-rank group without one).
         ``policies`` are the remaining fields (``activation_checkpointing``,
-        ``mixed_precision``, ``trainability``). ``timeout`` (seconds or a
+        ``mixed_precision``, ``trainability``, ``gradient_bucket_mb``). ``timeout`` (seconds or a
         timedelta) is the process group's collective timeout when this call
         creates the group: a rank that stops makes the others fail after it
         instead of waiting forever (ignored when the group already exists).

@@ -11,10 +11,14 @@ always runs the same flow (:meth:`ModelParallelizer._apply`):
    and of the ``"ddp"`` axis too unless DDP does it (``fully_shard``
    broadcasts nothing);
 4. **checkpoint** the activations of :meth:`_checkpoint_targets`, if asked;
-5. **dispatch** on the strategy: DDP on the ``"ddp"`` process group; FSDP2
+5. **bucket** the domain reductions: the promoted weights' gradients are
+   summed over ``"domain"`` one bucket of ``gradient_bucket_mb`` at a time
+   (:func:`~physicsnemo_dp.bucket_gradients`) instead of one all-reduce per
+   layer call, unless FSDP2 shards the weights or ``"domain"`` has one rank;
+6. **dispatch** on the strategy: DDP on the ``"ddp"`` process group; FSDP2
    ``fully_shard`` per unit on the ``"ddp"`` submesh with the mixed-precision
    policy (pinned modules in fp32 units); nothing without a strategy;
-6. **cast** fully frozen parts toward the compute dtype (FSDP2 mixed precision).
+7. **cast** fully frozen parts toward the compute dtype (FSDP2 mixed precision).
 
 Axes of size 1 are explicit cases, not accidents: nothing is synchronized
 over them, and DDP is not applied when ``ddp_size == 1`` (a one-rank
@@ -51,6 +55,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from ..promotion import bucket_gradients
 from ..sync import sync_module_over_mesh
 from .capabilities import check_capabilities
 from .activation_checkpointing import apply_checkpointing
@@ -144,6 +149,7 @@ class ModelParallelizer:
         _synchronize(model, mesh_context)
         for module in targets:
             apply_checkpointing(module, checkpointing)
+        _bucket_domain_reductions(model, mesh_context)
         if isinstance(mesh_context.strategy, FSDP2Config):
             model = self._apply_fsdp_sharding(model, mesh_context)
             policy = _bulk_policy(mesh_context)
@@ -200,6 +206,22 @@ def _synchronize(model: nn.Module, mesh_context: MeshContext) -> None:
     for axis in axes:
         if mesh_context.mesh[axis].size() > 1:
             sync_module_over_mesh(model, mesh_context.mesh[axis])
+
+
+def _bucket_domain_reductions(model: nn.Module, mesh_context: MeshContext) -> None:
+    """One all-reduce per bucket for the promoted weights' gradients over ``"domain"``.
+
+    Why by default: every layer call's reduction is a collective with a fixed
+    cost. MeshGraphNet (4 layers of edge and node MLPs) made 32 all-reduces per
+    step; on 4 gloo ranks over 2 cores its CPU work of all ranks over one
+    device's went from 2.26 to 1.23 at 4,096 nodes per rank with buckets. Under
+    FSDP2 the weights that meet the activations are its unsharded copies, which
+    are not the registered parameters, so there is nothing to bucket.
+    """
+    cap = mesh_context.gradient_bucket_mb
+    if cap is None or mesh_context.domain_size == 1 or isinstance(mesh_context.strategy, FSDP2Config):
+        return
+    bucket_gradients(model, cap_mb=cap)
 
 
 def _wrap_ddp(model: nn.Module, mesh_context: MeshContext) -> nn.Module:

@@ -84,3 +84,8 @@ def test_from_mesh_errors(ctx):
         MeshContext.from_mesh(mesh2d, trainability=("inp.*",))
     with pytest.raises(TypeError, match="activation_checkpointing must be"):
         MeshContext.from_mesh(mesh2d, activation_checkpointing="blocks")
+    for bad in (0, -1.0, True, "25", float("nan")):
+        with pytest.raises(ValueError, match="gradient_bucket_mb must be a positive number of MiB or None"):
+            MeshContext.from_mesh(mesh2d, gradient_bucket_mb=bad)
+    assert MeshContext.from_mesh(mesh2d).gradient_bucket_mb == 25.0
+    assert MeshContext.from_mesh(mesh2d, gradient_bucket_mb=None).gradient_bucket_mb is None

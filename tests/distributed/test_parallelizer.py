@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from physicsnemo_dp import count_collectives
+from physicsnemo_dp import count_collectives, promotion
 from physicsnemo_dp.distributed import (
     CapabilityError,
     DDPConfig,
@@ -21,6 +21,7 @@ from physicsnemo_dp.distributed import (
     is_checkpointed,
     parallelize_model,
 )
+from physicsnemo_dp.promotion import clear_gradient_buckets
 from tests._harness import distributed
 
 from ._models import (
@@ -32,6 +33,7 @@ from ._models import (
     device_mesh,
     full_state,
     local_input,
+    loss_of,
     sample_batch,
     train,
 )
@@ -136,6 +138,39 @@ def test_value_errors(ctx):
         parallelize_model(MixedPin(), _context(ctx, strategy=FSDP2Config(), mixed_precision=BF16))
     # without a lower compute dtype a pin needs no unit of its own, so nothing to refuse
     parallelize_model(MixedPin(), _context(ctx, strategy=FSDP2Config()))
+
+
+# ------------------------------------------------------ domain reductions in buckets
+@pytest.mark.parametrize("bucket_mb, reductions", [(25.0, 1), (0.0002, 2), (None, 4)])
+@distributed(world_sizes=(2, 3), mesh_2d=False)
+def test_domain_reductions_are_bucketed_by_default(ctx, bucket_mb, reductions):
+    """The promoted weights' gradients are summed over "domain" one bucket at a time: 25 MiB (the
+    default, DDP's) holds all of TokenNet; 0.0002 MiB (210 bytes) cuts its parameters in reverse order
+    into the last three layers plus the first block's bias, and the rest; None is one per layer call.
+    Every gradient equals the single-process one."""
+    torch.manual_seed(0)
+    model = parallelize_model(TokenNet(), _context(ctx, gradient_bucket_mb=bucket_mb))
+    batch = sample_batch()
+    loss = loss_of(model(local_input(batch, _context(ctx))))
+    with count_collectives() as counter:
+        loss.backward()
+    # + 1: backward() first sums the loss's pending per-rank partial values (a single float)
+    assert counter.calls.get("all_reduce", 0) == reductions + 1, counter.summary()
+    torch.manual_seed(0)
+    reference = TokenNet()
+    loss_of(reference(batch)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-6), name
+    clear_gradient_buckets()
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_fsdp2_and_a_single_domain_rank_register_no_bucket(ctx):
+    torch.manual_seed(0)
+    parallelize_model(TokenNet(), _context(ctx, strategy=FSDP2Config()))
+    single = MeshContext.from_mesh(device_mesh(ctx.device.type, 2, 1))
+    parallelize_model(TokenNet(), single)
+    assert promotion._BUCKETS == {}
 
 
 # ------------------------------------------------------ explicit size-1 cases

@@ -11,7 +11,6 @@ and be bitwise identical on all four ranks.
 import pytest
 import torch
 
-from physicsnemo_dp import bucket_gradients
 from physicsnemo_dp.distributed import DDPConfig, FSDP2Config, MeshContext, MixedPrecisionPolicy, parallelize_model
 from physicsnemo_dp.promotion import clear_gradient_buckets
 from tests._harness import distributed
@@ -29,15 +28,17 @@ from ._models import (
 STEPS = 3
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
+# strategy, mixed precision, tolerance, gradient_bucket_mb (the domain reductions: 25 MiB buckets by
+# default, here all parameters in one; None: one all-reduce per layer call; 0.001: a bucket per few layers)
 CASES = {
-    "ddp": (DDPConfig(), None, 1e-5),
-    "fsdp2-fp32": (FSDP2Config(), None, 1e-5),
-    "fsdp2-bf16": (FSDP2Config(), BF16, 1e-2),
-    "ddp-checkpointed": (DDPConfig(), None, 1e-5),
-    "fsdp2-bf16-checkpointed": (FSDP2Config(), BF16, 1e-2),
-    # the domain reductions of all parameters in one bucket (physicsnemo_dp.bucket_gradients), under DDP
-    "ddp-bucketed": (DDPConfig(), None, 1e-5),
-    "ddp-bucketed-checkpointed": (DDPConfig(), None, 1e-5),
+    "ddp": (DDPConfig(), None, 1e-5, 25.0),
+    "fsdp2-fp32": (FSDP2Config(), None, 1e-5, 25.0),
+    "fsdp2-bf16": (FSDP2Config(), BF16, 1e-2, 25.0),
+    "ddp-checkpointed": (DDPConfig(), None, 1e-5, 25.0),
+    "fsdp2-bf16-checkpointed": (FSDP2Config(), BF16, 1e-2, 25.0),
+    "ddp-per-call": (DDPConfig(), None, 1e-5, None),
+    "ddp-per-call-checkpointed": (DDPConfig(), None, 1e-5, None),
+    "ddp-small-buckets-checkpointed": (DDPConfig(), None, 1e-5, 0.001),
 }
 
 
@@ -51,17 +52,16 @@ def _reference(batches):
 @pytest.mark.parametrize("case", list(CASES))
 @distributed(world_sizes=(), timeout=120)
 def test_training_matches_single_process(ctx, case):
-    strategy, policy, tol = CASES[case]
+    strategy, policy, tol, bucket_mb = CASES[case]
     context = MeshContext.from_mesh(
-        ctx.mesh, strategy=strategy, mixed_precision=policy, activation_checkpointing=case.endswith("checkpointed")
+        ctx.mesh, strategy=strategy, mixed_precision=policy, activation_checkpointing=case.endswith("checkpointed"),
+        gradient_bucket_mb=bucket_mb,
     )
     batches = [sample_batch(seed=s) for s in range(STEPS)]
     expected, expected_losses = _reference(batches)
 
     torch.manual_seed(ctx.rank)  # every rank starts elsewhere: parallelize must synchronize
     model = parallelize_model(TokenNet(), context)
-    if "bucketed" in case:
-        bucket_gradients(model, cap_mb=None)
     try:
         losses = train(model, [local_input(b, context, salt=s) for s, b in enumerate(batches)])  # salt 0: an empty shard
     finally:

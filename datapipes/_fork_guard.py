@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 
 __all__ = ["reading", "track"]
@@ -42,7 +43,10 @@ def reading():
 def _before_fork() -> None:
     _lock.acquire()
     for source in list(_open_here):
-        source.close()
+        try:
+            source.close()
+        except Exception as err:  # one source failing to close must not leave the others open
+            warnings.warn(f"datapipes: closing {source!r} before a fork failed: {err!r}", RuntimeWarning, stacklevel=1)
     _open_here.clear()
 
 

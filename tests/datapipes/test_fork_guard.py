@@ -141,3 +141,17 @@ def test_a_mesh_source_is_closed_at_a_fork_too(tmp_path):
     assert _forked(lambda: np.array_equal(points(), want)) == 0
     assert _open_handles(source) == [] and not held[0].id.valid
     assert np.array_equal(points(), want)
+
+
+def test_a_source_that_fails_to_close_leaves_the_others_closed(tmp_path):
+    broken, fine = (open_grid("hdf5", write_grid("hdf5", tmp_path / name)) for name in ("a", "b"))
+    _read(broken, 0), _read(fine, 0)
+
+    def refuse():
+        raise OSError("device busy")
+
+    broken.close = refuse
+    with pytest.warns(RuntimeWarning, match="closing .* before a fork failed: OSError"):
+        assert _forked(lambda: True) == 0
+    assert _open_handles(fine) == []
+    del broken.close  # closes normally again

@@ -151,9 +151,12 @@ def test_domain_reductions_are_bucketed_by_default(ctx, bucket_mb, reductions):
     torch.manual_seed(0)
     model = parallelize_model(TokenNet(), _context(ctx, gradient_bucket_mb=bucket_mb))
     batch = sample_batch()
-    loss = loss_of(model(local_input(batch, _context(ctx))))
-    with count_collectives() as counter:
-        loss.backward()
+    try:
+        loss = loss_of(model(local_input(batch, _context(ctx))))
+        with count_collectives() as counter:
+            loss.backward()
+    finally:
+        clear_gradient_buckets()  # the rank process runs other tests next
     # + 1: backward() first sums the loss's pending per-rank partial values (a single float)
     assert counter.calls.get("all_reduce", 0) == reductions + 1, counter.summary()
     torch.manual_seed(0)
@@ -161,7 +164,6 @@ def test_domain_reductions_are_bucketed_by_default(ctx, bucket_mb, reductions):
     loss_of(reference(batch)).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-6), name
-    clear_gradient_buckets()
 
 
 @distributed(world_sizes=(2,), mesh_2d=False)

@@ -156,7 +156,14 @@ def _boundary(dim_map, i: int) -> int:
 
 
 def out_ranges(dim_map, in_sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """Output range ``[o0, o1)`` of every shard, given the input shard sizes."""
+    """Output range ``[o0, o1)`` of every shard, given the input shard sizes.
+
+    An empty input dim (every shard empty) can still have outputs (``F.pad`` of
+    a size-0 dim): the first shard takes them all, so the size table adds up.
+    """
+    if not any(in_sizes):
+        out = dim_map.out_size
+        return ((0, out),) + ((out, out),) * (len(in_sizes) - 1)
     starts = offsets_from_sizes(tuple(in_sizes))
     return tuple((_boundary(dim_map, s), _boundary(dim_map, s + n)) for s, n in zip(starts, in_sizes))
 

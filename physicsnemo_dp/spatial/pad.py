@@ -40,7 +40,11 @@ class _Identity(Kernel):
 
 def _pad(func, types, args, kwargs):
     x, pad, mode, value = _pad_args(*args, **kwargs)
-    out_shape = tuple(meta_output(func, args, kwargs).shape)
+    out_shape = tuple(meta_output(func, args, kwargs).shape)  # torch's checks and errors, alike on every rank
+    if mode == "circular" and any(p < 0 for p in pad):
+        # torch crops first and wraps the *cropped* tensor (its period is the cropped extent), which a
+        # window over the original input cannot express: crop with narrow, then pad the rest.
+        return _pad(func, types, (_crop(x, pad), tuple(max(p, 0) for p in pad), mode, value), {})
     dims = [x.ndim - 1 - i for i in range(len(pad) // 2)]
     x = prepare_input(x, dims)
     maps = {
@@ -49,6 +53,16 @@ def _pad(func, types, args, kwargs):
     }
     geometry = build(x._spec, maps, out_shape, mode=mode, fill_value=0.0 if value is None else value)
     return apply(_Identity(geometry), x)
+
+
+def _crop(x, pad):
+    """``x`` with the negative entries of ``pad`` removed from its ends (``pad`` lists the last dim first)."""
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        before, after = max(-pad[2 * i], 0), max(-pad[2 * i + 1], 0)
+        if before or after:
+            x = x.narrow(d, before, x.shape[d] - before - after)
+    return x
 
 
 #: Under torch.compile the call arrives as ``pad_builtin`` (same signature).

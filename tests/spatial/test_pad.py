@@ -59,3 +59,36 @@ def test_reflect_and_circular_on_thin_boundary_shards(ctx):
             y = F.pad(shard_from_global(g, spec), (4, 3), mode=mode)
             assert torch.equal(y.full_tensor(), F.pad(g, (4, 3), mode=mode)), (sizes, mode)
             assert sum(y._spec.dim_sizes[2]) == 16
+
+
+@distributed(world_sizes=OP_WORLD_SIZES)
+def test_circular_padding_with_negative_pads_wraps_the_cropped_tensor(ctx):
+    """torch crops first and wraps the cropped tensor: the period is the cropped extent, not the input's."""
+    cases = [
+        ((2, 3, 11, 9), (-1, 1, -2, 1)),
+        ((2, 3, 13), (1, -2)),
+        ((2, 3, 13), (-3, 2)),
+        ((2, 3, 11, 9), (2, -1, -1, -1)),
+        ((1, 2, 7, 6, 5), (-1, 1, 1, -2, -1, 2)),
+    ]
+    for shape, pad in cases:
+        x = grid(shape)
+        for placements in spatial_layouts(ctx.mesh, len(shape), len(pad) // 2, batch=len(shape) == 4):
+            check(lambda x: F.pad(x, pad, mode="circular"), [(x, placements)], ctx.mesh, label=f"circular {pad}")
+
+
+@distributed(world_sizes=(1, 2, 3, 4))
+def test_constant_padding_of_an_empty_sharded_dim(ctx):
+    """Every shard of the padded dim is empty: the first takes the whole output, so the size table adds up."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    rest = (Replicate(),) * (ctx.mesh.ndim - 1)
+    for shape, pad, dim in (((0, 3, 3), (1, 1, 1, 1, 1, 1), 0), ((2, 0, 3), (1, 1, 2, 1), 1), ((2, 0, 3), (1, 1), 1)):
+        g = torch.zeros(shape, dtype=torch.float64)
+        x = shard_from_global(g, make_spec(ctx.mesh, (Shard(dim),) + rest, shape), requires_grad=True)
+        y = F.pad(x, pad, value=1.5)
+        want = F.pad(g, pad, value=1.5)
+        assert tuple(y.shape) == tuple(want.shape) and sum(y._spec.dim_sizes[dim]) == want.shape[dim]
+        assert torch.equal(y.full_tensor(), want), (shape, pad)
+        y.backward(torch.ones_like(y))
+        assert tuple(x.grad.shape) == shape

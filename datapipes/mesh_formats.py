@@ -40,7 +40,7 @@ from ._files import atomic_path, open_h5
 from .decomposition import balanced_sizes
 from .errors import DataPipeError, MissingDataError
 
-__all__ = ["CELL_TYPES", "MeshArrays", "MeshInput", "open_mesh_input", "read_mesh", "write_mesh", "write_pvtu"]
+__all__ = ["CELL_TYPES", "MeshArrays", "MeshInput", "count_pieces", "open_mesh_input", "read_mesh", "write_mesh", "write_pvtu"]
 
 #: meshio cell type name -> VTK cell type id (the ``cell_type`` dataset of a prepared mesh).
 CELL_TYPES: dict[str, int] = {
@@ -115,6 +115,17 @@ def open_mesh_input(path) -> MeshInput:
     if suffix == ".vtu":
         return _WholeInput(path, _read_vtu)
     return _WholeInput(path, _read_meshio)
+
+
+def count_pieces(path) -> int:
+    """Files a mesh is read from: the pieces a ``.pvtu`` lists, else 1."""
+    path = Path(path)
+    if path.suffix.lower() != ".pvtu":
+        return 1
+    try:
+        return sum(1 for _ in ET.parse(path).getroot().iter("Piece"))
+    except (ET.ParseError, OSError) as err:
+        raise DataPipeError(f"{path}: cannot be read as a .pvtu file ({err})") from None
 
 
 class MeshInput:

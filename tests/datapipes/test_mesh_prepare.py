@@ -25,6 +25,9 @@ from tests._harness import distributed
 
 pytest.importorskip("meshio")
 
+#: the obstacle mesh's pieces repeat the nodes they share, as a solver's .pvtu does
+SHARED_NODES = {"allow_duplicate_points": True}
+
 
 def _content(path) -> dict:
     """Attributes and every dataset (dtype, values) of a prepared file."""
@@ -87,9 +90,9 @@ def _mesh_bytes(path) -> int:
 @pytest.mark.parametrize("kind, curve", [("pvtu", "hilbert"), ("h5", "morton"), ("vtu", "hilbert")])
 def test_out_of_core_equals_in_memory(kind, curve, tmp_path):
     source = _write_input(tmp_path, kind, count=16)
-    reference = prepare_mesh(tmp_path / "ref.h5", source, curve=curve)
+    reference = prepare_mesh(tmp_path / "ref.h5", source, curve=curve, **SHARED_NODES)
     budget = _mesh_bytes(reference) // (2 if kind == "pvtu" else 8)  # the budget must hold a piece twice
-    chunked = prepare_mesh(tmp_path / "ooc.h5", source, curve=curve, max_memory=budget)
+    chunked = prepare_mesh(tmp_path / "ooc.h5", source, curve=curve, max_memory=budget, **SHARED_NODES)
     _assert_same(reference, chunked)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # temporary files removed
 
@@ -102,14 +105,15 @@ def test_out_of_core_from_arrays_and_the_command_line(tmp_path, capsys):
     chunked = prepare_mesh(tmp_path / "ooc.h5", points, fields, cells, cell_fields=cell_fields, max_memory="50kB")
     _assert_same(reference, chunked)
     source = _write_input(tmp_path, "pvtu", 800)
-    assert prepare_main([str(source), "-o", str(tmp_path / "cli.h5"), "--max-memory", "1MiB"]) == 0
+    assert prepare_main([str(source), "-o", str(tmp_path / "cli.h5"), "--max-memory", "1MiB",
+                        "--allow-duplicate-points"]) == 0
     assert "sort cells" in capsys.readouterr().err  # the progress bar names the phases
-    _assert_same(prepare_mesh(tmp_path / "ref2.h5", source), tmp_path / "cli.h5")
+    _assert_same(prepare_mesh(tmp_path / "ref2.h5", source, **SHARED_NODES), tmp_path / "cli.h5")
     assert parse_memory("4GB") == 4 * 10**9 and parse_memory("512MiB") == 512 * 2**20 and parse_memory(10) == 10
     with pytest.raises(DataPipeError, match="max_memory='lots'"):
         prepare_mesh(tmp_path / "x.h5", source, max_memory="lots")
     with pytest.raises(DataPipeError, match=r"in.pvtu: max_memory=1000 bytes is too small for its largest piece"):
-        prepare_mesh(tmp_path / "x.h5", source, max_memory=1000)
+        prepare_mesh(tmp_path / "x.h5", source, max_memory=1000, **SHARED_NODES)
 
 
 @pytest.mark.parametrize("kind", ["pvtu", "h5", "vtu", "pvtu-2"])
@@ -121,9 +125,9 @@ def test_many_ranks_equal_one_process(ctx, kind, tmp_path):
     source = [None]
     if ctx.rank == 0:
         source = [_write_input(tmp_path, kind)]
-        prepare_mesh(tmp_path / "ref.h5", source[0])
+        prepare_mesh(tmp_path / "ref.h5", source[0], **SHARED_NODES)
     dist.broadcast_object_list(source, src=0)
-    path = prepare_mesh(tmp_path / "dist.h5", source[0], group=dist.group.WORLD)
+    path = prepare_mesh(tmp_path / "dist.h5", source[0], group=dist.group.WORLD, **SHARED_NODES)
     if ctx.rank == 0:
         _assert_same(tmp_path / "ref.h5", path)
         assert MeshSource(path).variables == ("points", "pressure", "velocity", "cells", "cell_type", "volume")
@@ -151,7 +155,7 @@ def test_the_pipe_reads_prepared_vtu_meshes_with_mixed_cells(ctx, tmp_path):
 
     def write():
         tmp_path.joinpath("b").mkdir()
-        return [str(prepare_mesh(tmp_path / "a.h5", _write_input(tmp_path, "vtu", 500))),
+        return [str(prepare_mesh(tmp_path / "a.h5", _write_input(tmp_path, "vtu", 500), **SHARED_NODES)),
                 str(prepare_mesh(tmp_path / "b.h5", write_obstacle_vtu(tmp_path / "b" / "o.vtu", 700, pieces=1)))]
 
     paths = [write() if ctx.rank == 0 else None]

@@ -438,14 +438,23 @@ def _read_vtk_xml(path: Path, kind: str) -> MeshArrays:
 def _vtp_piece(reader, piece, offset: int, path: Path) -> MeshArrays:
     n = int(piece.get("NumberOfPoints"))
 
+    def read(array, rows: int) -> np.ndarray:
+        if rows:
+            return reader.read_data(array)
+        from meshio.vtu._vtu import vtu_to_numpy_type  # an empty piece: meshio cannot decode empty arrays
+
+        return np.empty((0, int(array.get("NumberOfComponents", 1))), vtu_to_numpy_type[array.get("type")])
+
     def data(parent, rows: int) -> dict[str, np.ndarray]:
         out = {}
         for array in [] if parent is None else parent.findall("DataArray"):
-            values = reader.read_data(array)
-            out[array.get("Name")] = values.reshape(rows, -1) if values.size != rows else values.reshape(rows)
+            values = read(array, rows)
+            width = int(array.get("NumberOfComponents", 1)) if not rows else values.size // rows
+            out[array.get("Name")] = values.reshape(rows, width) if width != 1 else values.reshape(rows)
         return out
 
-    points = reader.read_data(piece.find("Points/DataArray")).reshape(n, -1)
+    points = piece.find("Points/DataArray")
+    points = read(points, n).reshape(n, int(points.get("NumberOfComponents", 3)) if not n else -1)
     if int(piece.get("NumberOfStrips", 0)):
         raise DataPipeError(f"{path}: cell type 'triangle strip' is not supported (supported: fixed-size "
                             f"types {sorted(CELL_TYPES)})")

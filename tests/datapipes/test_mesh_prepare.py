@@ -7,6 +7,7 @@ benchmark measures it at P = 1, 2, 4 on a larger one:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -181,3 +182,122 @@ def test_the_pipe_reads_prepared_vtu_meshes_with_mixed_cells(ctx, tmp_path):
             assert ((mine >= start) & (mine < start + batch["points"].to_local().shape[1])).all()
             cells = batch["cells"].to_local()[0].numpy()
             assert np.array_equal(np.where(cells < 0, len(whole["points"]), cells).min(axis=1), mine)
+
+
+# --------------------------------------------------------------------------- #
+# Bad points: refused before anything is written, naming the file, the same error on every rank
+# --------------------------------------------------------------------------- #
+def _bad_points(kind: str, n: int = 400) -> np.ndarray:
+    """``n`` points with one defect. ``"cluster"``: two corners fix the cube, every other point lies in one
+    cell of the curve (one run of equal keys, split over ranks and chunks) and points 1 and n - 1 coincide."""
+    rng = np.random.default_rng(3)
+    points = rng.random((n, 3))
+    if kind == "nan":
+        points[n // 2, 1] = np.nan
+    elif kind == "inf":
+        points[n // 3, 0] = -np.inf
+    elif kind == "duplicate":
+        points[n - 2] = points[5]
+    elif kind == "cluster":
+        points = 0.5 + 1e-12 * rng.random((n, 3))
+        points[0], points[-2] = 0.0, 1.0
+        points[-1] = points[1]
+    elif kind == "empty":
+        points = points[:0]
+    return points
+
+
+BAD = {"nan": "1 point(s) have NaN or infinite coordinates, the first is input point 200 at",
+       "inf": "1 point(s) have NaN or infinite coordinates, the first is input point 133 at",
+       "duplicate": "input points 5 and 398 have the same coordinates",
+       "cluster": "input points 1 and 399 have the same coordinates",
+       "empty": "no points (an empty mesh cannot be prepared)"}
+
+
+def _write_bad(directory: Path, kind: str, suffix: str) -> Path:
+    points = _bad_points(kind)
+    fields = {"t": np.arange(len(points), dtype=np.float32)}
+    if suffix == ".h5":
+        with h5py.File(directory / f"{kind}.h5", "w") as f:
+            f["points"], f["fields/t"] = points, fields["t"]
+        return directory / f"{kind}.h5"
+    if suffix == ".pvtu":  # two pieces: the defect may be in either
+        half = len(points) // 2
+        return write_pvtu(directory / f"{kind}.pvtu", [MeshArrays(points[:half], {"t": fields["t"][:half]}),
+                                                       MeshArrays(points[half:], {"t": fields["t"][half:]})])
+    np.savez(directory / f"{kind}.npz", points=points, **fields)
+    return directory / f"{kind}.npz"
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+@pytest.mark.parametrize("how", ["memory", "out-of-core", "arrays"])
+def test_bad_points_are_refused_naming_the_file(kind, how, tmp_path):
+    source = _write_bad(tmp_path, kind, ".h5")
+    where = "prepare_mesh" if how == "arrays" else str(source)
+    with pytest.raises(DataPipeError) as raised:
+        if how == "arrays":
+            prepare_mesh(tmp_path / "out.h5", _bad_points(kind))
+        else:
+            prepare_mesh(tmp_path / "out.h5", source, max_memory="20kB" if how == "out-of-core" else None)
+    assert str(raised.value).startswith(f"{where}: {BAD[kind]}"), raised.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]  # nothing written, no temporary file
+
+
+def test_duplicate_points_can_be_kept_on_purpose(tmp_path):
+    points = _bad_points("duplicate")
+    path = prepare_mesh(tmp_path / "out.h5", points, allow_duplicate_points=True)
+    with h5py.File(path) as f:
+        assert f["points"].shape == points.shape
+    assert prepare_main([str(_write_bad(tmp_path, "duplicate", ".npz")), "-o", str(tmp_path / "cli.h5"), "-q"]) == 1
+    assert prepare_main([str(tmp_path / "duplicate.npz"), "-o", str(tmp_path / "cli.h5"), "-q",
+                         "--allow-duplicate-points"]) == 0
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".pvtu", ".npz"])
+@distributed(world_sizes=(3,), mesh_2d=False, timeout=120)
+def test_bad_points_fail_on_every_rank_alike(ctx, suffix, tmp_path):
+    """HDF5 rows and .pvtu pieces are read by every rank, .npz by rank 0: each defect is one message everywhere."""
+    for kind in sorted(BAD):
+        source = _write_bad(tmp_path, kind, suffix) if ctx.rank == 0 else None
+        source = _broadcast(source)
+        with pytest.raises(DataPipeError) as raised:
+            prepare_mesh(tmp_path / "out.h5", source, group=dist.group.WORLD)
+        message = str(raised.value)
+        assert f"{source}: {BAD[kind]}" in message, message
+        messages: list = [None] * ctx.world_size
+        dist.all_gather_object(messages, message)
+        assert messages == [message] * ctx.world_size
+        assert not (tmp_path / "out.h5").exists()
+    dist.barrier()
+
+
+def _broadcast(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@distributed(world_sizes=(3,), mesh_2d=False, timeout=120)
+def test_a_pvtu_with_a_missing_piece_fails_on_every_rank_alike(ctx, tmp_path):
+    source = None
+    if ctx.rank == 0:
+        source = write_pvtu(tmp_path / "m.pvtu", _mixed_pieces(600, 3))
+        (tmp_path / "m_1.vtu").unlink()
+    source = _broadcast(source)
+    with pytest.raises(DataPipeError) as raised:
+        prepare_mesh(tmp_path / "out.h5", source, group=dist.group.WORLD)
+    message = str(raised.value)
+    assert f"{source}: 1 of its 3 pieces do not exist: ['{tmp_path / 'm_1.vtu'}']" in message, message
+    messages: list = [None] * ctx.world_size
+    dist.all_gather_object(messages, message)
+    assert messages == [message] * ctx.world_size
+    dist.barrier()
+
+
+def test_a_pvtu_with_a_missing_piece_names_it_in_one_process(tmp_path):
+    source = write_pvtu(tmp_path / "m.pvtu", _mixed_pieces(600, 3))
+    (tmp_path / "m_2.vtu").unlink()
+    for budget in (None, "1MB"):
+        with pytest.raises(DataPipeError, match=re.escape(f"{source}: 1 of its 3 pieces do not exist: "
+                                                          f"['{tmp_path / 'm_2.vtu'}']")):
+            prepare_mesh(tmp_path / "out.h5", source, max_memory=budget)

@@ -7,7 +7,14 @@ benchmark measures it at P = 1, 2, 4 on a larger one:
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 
@@ -301,3 +308,75 @@ def test_a_pvtu_with_a_missing_piece_names_it_in_one_process(tmp_path):
         with pytest.raises(DataPipeError, match=re.escape(f"{source}: 1 of its 3 pieces do not exist: "
                                                           f"['{tmp_path / 'm_2.vtu'}']")):
             prepare_mesh(tmp_path / "out.h5", source, max_memory=budget)
+
+
+# --------------------------------------------------------------------------- #
+# The command line joins a process group only when told to (--distributed)
+# --------------------------------------------------------------------------- #
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(n_points: int, n_cells: int, pieces: int, output, ranks: str = "") -> re.Pattern:
+    return re.compile(rf"^prepare-mesh: {n_points} points, {n_cells} cells, {pieces} piece\(s\) read, "
+                      rf"[0-9.]+ s{ranks} -> {re.escape(str(output))}$", re.M)
+
+
+def test_the_command_run_by_a_torchrun_rank_prepares_in_one_process(tmp_path):
+    """A training rank's subprocess inherits RANK, WORLD_SIZE, MASTER_*: without --distributed they are ignored
+    (before: it joined that job's rendezvous and waited forever)."""
+    source = _write_input(tmp_path, "pvtu", 800)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "datapipes.prepare_cli", str(source), "-o", str(tmp_path / "o.h5"),
+                           "--allow-duplicate-points", "-q"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ignoring RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment" in done.stderr
+    with h5py.File(tmp_path / "o.h5") as f:
+        n_points, n_cells = f.attrs["num_points"], f.attrs["num_cells"]
+    assert _summary(n_points, n_cells, 4, tmp_path / "o.h5").search(done.stdout), done.stdout
+
+
+def test_joining_times_out_with_what_to_do(tmp_path, monkeypatch, capsys):
+    """--distributed with no other rank: the join gives up after --join-timeout, saying why and what to do."""
+    port = _free_port()
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    np.savez(tmp_path / "m.npz", points=np.random.default_rng(0).random((50, 3)))
+    started = time.monotonic()
+    assert prepare_main([str(tmp_path / "m.npz"), "-o", str(tmp_path / "o.h5"), "--distributed",
+                         "--join-timeout", "2"]) == 1
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert f"--distributed: rank 1 of 2 could not join the process group at 127.0.0.1:{port} within " \
+           "--join-timeout 2 s" in err, err
+    assert "Are all ranks started" in err and not dist.is_initialized()
+    monkeypatch.delenv("MASTER_PORT")
+    assert prepare_main([str(tmp_path / "m.npz"), "-o", str(tmp_path / "o.h5"), "--distributed"]) == 1
+    assert "--distributed: MASTER_PORT not set; start the ranks with torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "o.h5").exists()
+
+
+@distributed(world_sizes=(2,), mesh_2d=False, timeout=120)
+def test_the_command_with_distributed_prepares_on_the_ranks(ctx, tmp_path):
+    """In a process group already joined (here: the harness's), --distributed prepares on its ranks."""
+    source = _broadcast(_write_input(tmp_path, "pvtu") if ctx.rank == 0 else None)
+    if ctx.rank == 0:
+        prepare_mesh(tmp_path / "ref.h5", source, **SHARED_NODES)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert prepare_main([str(source), "-o", str(tmp_path / "dist.h5"), "--distributed", "-q",
+                             "--allow-duplicate-points"]) == 0
+    assert dist.is_initialized()  # the caller's group is left alone
+    if ctx.rank == 0:
+        _assert_same(tmp_path / "ref.h5", tmp_path / "dist.h5")
+        with h5py.File(tmp_path / "dist.h5") as f:
+            n_points, n_cells = f.attrs["num_points"], f.attrs["num_cells"]
+        assert _summary(n_points, n_cells, 4, tmp_path / "dist.h5", " on 2 ranks").search(out.getvalue())
+    else:
+        assert out.getvalue() == ""
+    dist.barrier()

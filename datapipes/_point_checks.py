@@ -17,12 +17,14 @@ ranks).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .errors import DataPipeError
 
 __all__ = ["DuplicateScan", "across_edges", "check_finite", "duplicate_error", "edge_runs", "first_duplicate",
-           "nonfinite", "nonfinite_error"]
+           "nonfinite", "nonfinite_error", "run_rows"]
 
 
 def check_finite(points: np.ndarray, where: str, offset: int = 0) -> None:
@@ -58,25 +60,31 @@ def duplicate_error(where: str, found: tuple[int, int, list]) -> DataPipeError:
     )
 
 
-def first_duplicate(keys: np.ndarray, points: np.ndarray, index: np.ndarray) -> tuple[int, int, list] | None:
-    """Two input indices ``(i < j)`` of points with equal coordinates, and those coordinates, or None.
-
-    ``keys`` are the rows' curve keys in ascending order, ``points`` and
-    ``index`` (input positions) the same rows. Only rows in runs of equal keys
-    are compared (sorted by run, then coordinates; adjacent rows tested).
-    """
-    n = len(keys)
-    if n < 2:
-        return None
+def run_rows(keys: np.ndarray) -> np.ndarray:
+    """Positions of the rows of ascending ``keys`` that share their key with a neighbour (runs of two or more)."""
+    if len(keys) < 2:
+        return np.empty(0, np.int64)
     same = keys[1:] == keys[:-1]
-    if not same.any():
-        return None
-    in_run = np.zeros(n, bool)
+    in_run = np.zeros(len(keys), bool)
     in_run[1:] |= same
     in_run[:-1] |= same
-    rows = np.flatnonzero(in_run)
-    run = np.cumsum(np.r_[True, ~same])[rows]
-    values = np.asarray(points[rows])
+    return np.flatnonzero(in_run)
+
+
+def first_duplicate(keys: np.ndarray, index: np.ndarray, points_of: Callable[[np.ndarray], np.ndarray]):
+    """Two input indices ``(i < j)`` of points with equal coordinates, and those coordinates, or None.
+
+    ``keys`` are the rows' curve keys in ascending order, ``index`` their
+    input positions, ``points_of(rows)`` the coordinates of the rows at
+    positions ``rows`` (only rows in runs of equal keys are asked for, so no
+    copy of all points is made). Rows are sorted by run, then coordinates;
+    adjacent rows are compared.
+    """
+    rows = run_rows(keys)
+    if not len(rows):
+        return None
+    run = np.cumsum(np.r_[True, keys[1:] != keys[:-1]])[rows]
+    values = np.asarray(points_of(rows))
     order = np.lexsort((*values.T[::-1], run))  # primary: the run, then the coordinates
     values, run = values[order], run[order]
     equal = (run[1:] == run[:-1]) & (values[1:] == values[:-1]).all(axis=1)
@@ -87,19 +95,22 @@ def first_duplicate(keys: np.ndarray, points: np.ndarray, index: np.ndarray) -> 
     return min(a, b), max(a, b), values[k].tolist()
 
 
-def edge_runs(keys: np.ndarray, points: np.ndarray, index: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """The leading and trailing runs of equal keys (one run if all keys are equal) as ``(key, points, index)``."""
+Run = tuple  # (key, points, index): one run of equal keys
+
+
+def edge_runs(keys: np.ndarray, index: np.ndarray, points_of) -> list[Run]:
+    """The leading and trailing runs of equal keys (one run if all keys are equal)."""
     if not len(keys):
         return []
     lead = int(np.searchsorted(keys, keys[0], side="right"))
-    runs = [(int(keys[0]), np.asarray(points[:lead]), np.asarray(index[:lead]))]
+    runs = [(int(keys[0]), np.asarray(points_of(np.arange(lead))), np.asarray(index[:lead]))]
     if lead < len(keys):
         trail = int(np.searchsorted(keys, keys[-1], side="left"))
-        runs.append((int(keys[-1]), np.asarray(points[trail:]), np.asarray(index[trail:])))
+        runs.append((int(keys[-1]), np.asarray(points_of(np.arange(trail, len(keys)))), np.asarray(index[trail:])))
     return runs
 
 
-def across_edges(runs: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[int, int, list] | None:
+def across_edges(runs: list[Run]):
     """A duplicate among runs of equal keys from consecutive blocks (or ranks), runs of one key merged."""
     by_key: dict[int, list] = {}
     for key, points, index in runs:
@@ -109,24 +120,29 @@ def across_edges(runs: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[int, i
         if len(parts) > 1:
             points = np.concatenate([p for p, _ in parts])
             index = np.concatenate([i for _, i in parts])
-            found = first_duplicate(np.full(len(points), key, np.uint64), points, index)
+            found = first_duplicate(np.full(len(index), key, np.uint64), index, lambda rows: points[rows])
             if found is not None:
                 return found
     return None
 
 
 class DuplicateScan:
-    """:func:`first_duplicate` over consecutive blocks of key-sorted rows (the last run carried over)."""
+    """:func:`first_duplicate` over consecutive blocks of key-sorted rows: the trailing run of equal keys
+    is carried into the next block (it may continue there)."""
 
     def __init__(self) -> None:
-        self._carry: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._carry: Run | None = None
 
-    def add(self, keys: np.ndarray, points: np.ndarray, index: np.ndarray) -> tuple[int, int, list] | None:
-        if self._carry is not None and len(keys):
-            keys, points, index = (np.concatenate([c, x]) for c, x in zip(self._carry, (keys, points, index)))
+    def add(self, keys: np.ndarray, index: np.ndarray, points_of):
         if not len(keys):
             return None
-        found = first_duplicate(keys, points, index)
-        start = int(np.searchsorted(keys, keys[-1], side="left"))
-        self._carry = (keys[start:], np.asarray(points[start:]), np.asarray(index[start:]))
+        found = first_duplicate(keys, index, points_of)
+        runs = edge_runs(keys, index, points_of)
+        carried = self._carry is not None and self._carry[0] == runs[0][0]
+        if found is None and carried:
+            found = across_edges([self._carry, runs[0]])
+        if carried and len(runs) == 1:  # the whole block continues the carried run
+            self._carry = (runs[0][0], *(np.concatenate([a, b]) for a, b in zip(self._carry[1:], runs[0][1:])))
+        else:
+            self._carry = runs[-1]
         return found

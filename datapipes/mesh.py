@@ -263,7 +263,7 @@ def _prepare_in_memory(path: Path, mesh: MeshArrays, curve: str, bits: int, prog
         keys = CURVES[curve](mesh.points, bits)
         order = np.argsort(keys, kind="stable")  # = curve_order(mesh.points, curve, bits)
         if not allow_duplicates:
-            found = pc.first_duplicate(keys[order], mesh.points[order], order)
+            found = pc.first_duplicate(keys[order], order, lambda rows: mesh.points[order[rows]])
             if found is not None:
                 raise pc.duplicate_error(where, found)
         del keys
@@ -357,7 +357,7 @@ def _prepare_out_of_core(path: Path, source: MeshInput, budget: int, curve: str,
 
             def emit_points(start, keys, index, payload):
                 if duplicates is not None:
-                    found = duplicates.add(keys, ss.unpack(payload, layout.point_spec)[0], index)
+                    found = duplicates.add(keys, index, lambda rows: _points_of(payload, layout, rows))
                     if found is not None:
                         raise pc.duplicate_error(str(source.path), found)
                 layout.write(f, layout.point_names, layout.point_spec, start, payload)
@@ -452,7 +452,8 @@ def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: 
     part.points, part.point_data = part.points[:0], {k: v[:0] for k, v in part.point_data.items()}
     keys, index, payload = ss.sample_sort(rows, group)
     if not allow_duplicates:
-        _check_duplicates_on_ranks(keys, ss.unpack(payload, layout.point_spec)[0], index, str(input_path), group)
+        _check_duplicates_on_ranks(keys, index, lambda rows: _points_of(payload, layout, rows), str(input_path),
+                                   group)
     del keys
     out_start, _, counts = ss.exclusive_offsets(len(index), group)
     tmp = path.with_name(f".{path.name}.tmp-prepare")
@@ -521,14 +522,19 @@ def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: 
     return path
 
 
-def _check_duplicates_on_ranks(keys: np.ndarray, points: np.ndarray, index: np.ndarray, where: str, group) -> None:
+def _points_of(payload: np.ndarray, layout: _Layout, rows: np.ndarray) -> np.ndarray:
+    """The coordinates of some rows of a packed point payload (the points are its first columns)."""
+    return ss.unpack(payload[rows], layout.point_spec[:1])[0]
+
+
+def _check_duplicates_on_ranks(keys: np.ndarray, index: np.ndarray, points_of, where: str, group) -> None:
     """Duplicate points among the key-sorted rows of all ranks: each rank's own runs, then the runs at the
     ranks' edges (gathered: a run of equal keys may continue on the next rank); the same error everywhere."""
     import torch.distributed as dist
 
-    found = pc.first_duplicate(keys, points, index)
+    found = pc.first_duplicate(keys, index, points_of)
     edges: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(edges, pc.edge_runs(keys, points, index), group=group)
+    dist.all_gather_object(edges, pc.edge_runs(keys, index, points_of), group=group)
     found = found or pc.across_edges([run for runs in edges for run in runs])
     check_all_ranks(None if found is None else pc.duplicate_error(where, found), group)
 

@@ -74,7 +74,8 @@ def run(mesh, compare_dtensor: bool = False, *, points: int, pieces: int = 16) -
         n = f.attrs["num_points"]
     dist.barrier()
     if P > 1:
-        seconds, peak = traced_peak(lambda: prepare_mesh(directory / "dist.h5", source, group=dist.group.WORLD, **SHARED_NODES))
+        seconds, peak = traced_peak(lambda: prepare_mesh(directory / "dist.h5", source, group=dist.group.WORLD,
+                                                         **SHARED_NODES))
         seconds, peak = over_ranks(seconds, "max"), over_ranks(peak, "max")
     else:
         seconds, peak = single_s, single_peak
@@ -85,7 +86,8 @@ def run(mesh, compare_dtensor: bool = False, *, points: int, pieces: int = 16) -
     ]
     if P == 1:
         budget = _mesh_bytes(directory / "single.h5") // 4
-        ooc_s, ooc_peak = traced_peak(lambda: prepare_mesh(directory / "ooc.h5", source, max_memory=budget, **SHARED_NODES))
+        ooc_s, ooc_peak = traced_peak(lambda: prepare_mesh(directory / "ooc.h5", source, max_memory=budget,
+                                                           **SHARED_NODES))
         results += [
             Result(SUITE, "out of core (budget 1/4 mesh): peak vs in-memory", 1, ooc_peak, single_peak, "bytes"),
             # below a few MB the budget is dominated by fixed costs (parsers, HDF5 objects): no target there

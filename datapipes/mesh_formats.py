@@ -40,7 +40,8 @@ from ._files import atomic_path, open_h5
 from .decomposition import balanced_sizes
 from .errors import DataPipeError, MissingDataError
 
-__all__ = ["CELL_TYPES", "MeshArrays", "MeshInput", "count_pieces", "open_mesh_input", "read_mesh", "write_mesh", "write_pvtu"]
+__all__ = ["CELL_TYPES", "MeshArrays", "MeshInput", "count_pieces", "open_mesh_input", "read_mesh", "write_mesh",
+           "write_pvtu"]
 
 #: meshio cell type name -> VTK cell type id (the ``cell_type`` dataset of a prepared mesh).
 CELL_TYPES: dict[str, int] = {

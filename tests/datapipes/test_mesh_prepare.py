@@ -205,10 +205,11 @@ def _bad_points(kind: str, n: int = 400) -> np.ndarray:
         points[n // 3, 0] = -np.inf
     elif kind == "duplicate":
         points[n - 2] = points[5]
-    elif kind == "cluster":
+    elif kind.startswith("cluster"):
         points = 0.5 + 1e-12 * rng.random((n, 3))
         points[0], points[-2] = 0.0, 1.0
-        points[-1] = points[1]
+        if kind == "cluster":
+            points[-1] = points[1]
     elif kind == "empty":
         points = points[:0]
     return points
@@ -248,6 +249,25 @@ def test_bad_points_are_refused_naming_the_file(kind, how, tmp_path):
             prepare_mesh(tmp_path / "out.h5", source, max_memory="20kB" if how == "out-of-core" else None)
     assert str(raised.value).startswith(f"{where}: {BAD[kind]}"), raised.value
     assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]  # nothing written, no temporary file
+
+
+def test_equal_curve_keys_without_duplicates_are_prepared(tmp_path):
+    """398 points in one cell of the curve, all different: no false alarm in memory or across chunks."""
+    source = _write_bad(tmp_path, "cluster-distinct", ".h5")
+    _assert_same(prepare_mesh(tmp_path / "ref.h5", source),
+                 prepare_mesh(tmp_path / "ooc.h5", source, max_memory="20kB"))
+
+
+@distributed(world_sizes=(3,), mesh_2d=False, timeout=120)
+def test_equal_curve_keys_without_duplicates_are_prepared_on_many_ranks(ctx, tmp_path):
+    """The run of equal keys spans the ranks (sorted by input index within it): no false alarm at the edges."""
+    source = _broadcast(_write_bad(tmp_path, "cluster-distinct", ".h5") if ctx.rank == 0 else None)
+    if ctx.rank == 0:
+        prepare_mesh(tmp_path / "ref.h5", source)
+    prepare_mesh(tmp_path / "dist.h5", source, group=dist.group.WORLD)
+    if ctx.rank == 0:
+        _assert_same(tmp_path / "ref.h5", tmp_path / "dist.h5")
+    dist.barrier()
 
 
 def test_duplicate_points_can_be_kept_on_purpose(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +33,8 @@ COMMON = [("--checkpoint-every", "0"), ("--steps", "0"), ("--batch-size", "0"), 
 OWN = {
     unet_darcy: [("--grid", "1"), ("--samples", "0"), ("--test-samples", "0"), ("--width", "6"), ("--depth", "-1"),
                  ("--grid", "4", "--depth", "3")],
-    diffusion_darcy: [("--grid", "2"), ("--sample-steps", "0"), ("--churn", "-1"), ("--churn", "inf"), ("--width", "2")],
+    diffusion_darcy: [("--grid", "2"), ("--sample-steps", "0"), ("--churn", "-1"), ("--churn", "inf"),
+                      ("--width", "2")],
     fno_darcy: [("--grid", "0"), ("--width", "0"), ("--modes", "0"), ("--layers", "0"), ("--test-samples", "-3")],
     meshgraphnet_heat: [("--around", "2"), ("--rings", "0"), ("--samples", "0"), ("--test-samples", "0"),
                         ("--width", "0"), ("--layers", "0")],
@@ -69,7 +69,8 @@ def test_an_output_folder_that_cannot_be_made_is_refused_while_parsing(tmp_path)
         assert _refusal(module.parse_args, ["--out", str(tmp_path / "file")]).endswith(
             f"argument --out: {tmp_path / 'file'} is a file, not a folder; pass a folder (created if missing)")
         assert _refusal(module.parse_args, ["--out", str(tmp_path / "file" / "run")]).endswith(
-            f"argument --out: {tmp_path / 'file' / 'run'} cannot be created: {tmp_path / 'file'} is a file, not a folder")
+            f"argument --out: {tmp_path / 'file' / 'run'} cannot be created: {tmp_path / 'file'} is a file, "
+            "not a folder")
         assert module.parse_args(["--out", str(tmp_path / "new" / "run")]).out == tmp_path / "new" / "run"
 
 

@@ -44,6 +44,7 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from . import _point_checks as pc
 from . import _sample_sort as ss
 from ._external_sort import external_sort
 from ._files import atomic_path, expand_paths, open_h5
@@ -51,7 +52,7 @@ from .agreement import check_all_ranks
 from .decomposition import DomainDecomposition, balanced_sizes
 from .errors import DataPipeError, DecompositionError, MissingDataError
 from .mesh_formats import MeshArrays, MeshInput, _even_parts, _pad, _slice, open_mesh_input, read_mesh
-from .sfc import CURVES, DEFAULT_BITS, bounding_cube, curve_order
+from .sfc import CURVES, DEFAULT_BITS, bounding_cube
 from .source import Box, Source, Split
 
 __all__ = ["FORMAT", "MeshSource", "load_mesh_input", "parse_memory", "prepare_mesh"]
@@ -67,7 +68,7 @@ _NO_OWNER = np.iinfo(np.int64).max
 def prepare_mesh(path, points, fields: Mapping[str, np.ndarray] | None = None, cells: np.ndarray | None = None, *,
                  cell_types: np.ndarray | None = None, cell_fields: Mapping[str, np.ndarray] | None = None,
                  curve: str = "hilbert", bits: int = DEFAULT_BITS, progress: bool = False,
-                 max_memory: int | str | None = None, group=None) -> Path:
+                 max_memory: int | str | None = None, group=None, allow_duplicate_points: bool = False) -> Path:
     """Write a mesh sorted along a space-filling curve to ``path`` (atomically).
 
     The mesh is given as arrays, or as a file: ``points`` is then the input
@@ -102,10 +103,14 @@ def prepare_mesh(path, points, fields: Mapping[str, np.ndarray] | None = None, c
             string such as ``"4GB"`` or ``"512MiB"``.
         group: a ``torch.distributed`` process group (``dist.group.WORLD`` for
             all ranks) to prepare on many ranks.
+        allow_duplicate_points: keep points with equal coordinates (by
+            default refused: the cells on either side of them share no node,
+            see :mod:`datapipes._point_checks`).
 
     Raises:
         DataPipeError: bad input (shapes, cell indices, names, an unreadable
-            file), raised on every rank of ``group`` alike.
+            file, no points, NaN/inf coordinates, duplicate points), raised on
+            every rank of ``group`` alike, before anything is written.
     """
     if curve not in CURVES:
         raise ValueError(f"curve must be one of {sorted(CURVES)}, got {curve!r}")
@@ -120,7 +125,7 @@ def prepare_mesh(path, points, fields: Mapping[str, np.ndarray] | None = None, c
                                 "pass its path as `points`")
         if budget is not None:
             raise DataPipeError("prepare_mesh: give either max_memory (one process) or group (many ranks), not both")
-        return _prepare_distributed(Path(path), Path(points), group, curve, bits, progress)
+        return _prepare_distributed(Path(path), Path(points), group, curve, bits, progress, allow_duplicate_points)
     if from_file:
         source = open_mesh_input(points)
     else:
@@ -130,14 +135,14 @@ def prepare_mesh(path, points, fields: Mapping[str, np.ndarray] | None = None, c
                           {k: np.asarray(v) for k, v in (cell_fields or {}).items()})
         _check_mesh(mesh, "prepare_mesh")
         if budget is None:
-            return _prepare_in_memory(Path(path), mesh, curve, bits, progress)
+            return _prepare_in_memory(Path(path), mesh, curve, bits, progress, allow_duplicate_points, "prepare_mesh")
         source = _ArraysInput(mesh)
     try:
         if budget is not None:
-            return _prepare_out_of_core(Path(path), source, budget, curve, bits, progress)
+            return _prepare_out_of_core(Path(path), source, budget, curve, bits, progress, allow_duplicate_points)
         mesh = source.read_all()
         _check_mesh(mesh, str(source.path))
-        return _prepare_in_memory(Path(path), mesh, curve, bits, progress)
+        return _prepare_in_memory(Path(path), mesh, curve, bits, progress, allow_duplicate_points, str(source.path))
     finally:
         source.close()
 
@@ -165,8 +170,11 @@ def _world(group) -> int:
 
 def _check_mesh(mesh: MeshArrays, where: str) -> None:
     points, cells = mesh.points, mesh.cells
-    if points.ndim != 2 or len(points) == 0:
-        raise DataPipeError(f"{where}: points must have shape (n_points, ndim) with n_points >= 1, got {points.shape}")
+    if points.ndim != 2:
+        raise DataPipeError(f"{where}: points must have shape (n_points, ndim), got {points.shape}")
+    if len(points) == 0:
+        raise DataPipeError(f"{where}: no points (an empty mesh cannot be prepared)")
+    pc.check_finite(points, where)
     _check_names([*mesh.point_data, *mesh.cell_data], where)
     if cells is not None and (cells.ndim != 2 or not np.issubdtype(cells.dtype, np.integer)):
         raise DataPipeError(f"{where}: cells must be an integer array (n_cells, k), got {cells.dtype} {cells.shape}")
@@ -244,14 +252,21 @@ class _Layout:
             f[name][start:start + len(values)] = values
 
 
-def _prepare_in_memory(path: Path, mesh: MeshArrays, curve: str, bits: int, progress: bool) -> Path:
+def _prepare_in_memory(path: Path, mesh: MeshArrays, curve: str, bits: int, progress: bool,
+                       allow_duplicates: bool, where: str) -> Path:
     """The reference: one stable argsort of the curve keys, one of the cell owners."""
     n = len(mesh.points)
     n_cells = 0 if mesh.cells is None else len(mesh.cells)
     layout = _Layout(mesh)
     with tqdm(total=n * (1 + len(layout.point_names)) + 2 * n_cells, unit="row", desc=path.name,
               disable=not progress) as bar:
-        order = curve_order(mesh.points, curve, bits)
+        keys = CURVES[curve](mesh.points, bits)
+        order = np.argsort(keys, kind="stable")  # = curve_order(mesh.points, curve, bits)
+        if not allow_duplicates:
+            found = pc.first_duplicate(keys[order], order, lambda rows: mesh.points[order[rows]])
+            if found is not None:
+                raise pc.duplicate_error(where, found)
+        del keys
         bar.update(n)
         with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
             layout.create(f, n, n_cells, curve, bits)
@@ -298,7 +313,8 @@ def _rows_for(budget: int, row_bytes: int, ndim: int = 0) -> int:
     return max(1, budget // (3 * (row_bytes + 16) + 8 * (12 + ndim)))
 
 
-def _prepare_out_of_core(path: Path, source: MeshInput, budget: int, curve: str, bits: int, progress: bool) -> Path:
+def _prepare_out_of_core(path: Path, source: MeshInput, budget: int, curve: str, bits: int, progress: bool,
+                         allow_duplicates: bool) -> Path:
     n, n_cells = source.n_points, source.n_cells
     with tqdm(total=3 * n + 2 * n_cells, unit="row", desc=f"{path.name}: bounds", disable=not progress) as bar:
         probe = source.read((0, min(n, 1)), (0, min(n_cells, 1)))
@@ -315,6 +331,7 @@ def _prepare_out_of_core(path: Path, source: MeshInput, budget: int, curve: str,
         for a, b, c, _ in source.chunks(point_rows):
             part = source.read((a, b), (c, c))
             _check_part(part, probe, source.path)
+            pc.check_finite(part.points, str(source.path), a)
             if len(part.points):
                 lo, hi = part.points.min(axis=0), part.points.max(axis=0)
                 low = lo if low is None else np.minimum(low, lo)
@@ -322,7 +339,7 @@ def _prepare_out_of_core(path: Path, source: MeshInput, budget: int, curve: str,
             width = max(width, 0 if part.cells is None else part.cells.shape[1])
             bar.update(b - a)
         if low is None:
-            raise DataPipeError(f"{source.path}: no points")
+            raise DataPipeError(f"{source.path}: no points (an empty mesh cannot be prepared)")
         cube = bounding_cube(low, high)
         layout = _Layout(probe, width)
         with (tempfile.TemporaryDirectory(dir=path.parent, prefix=".datapipes-prepare-") as tmp,
@@ -336,7 +353,13 @@ def _prepare_out_of_core(path: Path, source: MeshInput, budget: int, curve: str,
                     keys = CURVES[curve](part.points, bits, cube)
                     yield keys, np.arange(a, b, dtype=np.int64), ss.pack(layout.point_arrays(part))
 
+            duplicates = None if allow_duplicates else pc.DuplicateScan()
+
             def emit_points(start, keys, index, payload):
+                if duplicates is not None:
+                    found = duplicates.add(keys, index, lambda rows: _points_of(payload, layout, rows))
+                    if found is not None:
+                        raise pc.duplicate_error(str(source.path), found)
                 layout.write(f, layout.point_names, layout.point_spec, start, payload)
                 inverse[index] = np.arange(start, start + len(index))
                 bar.update(len(index))
@@ -379,7 +402,8 @@ def _check_part(part: MeshArrays, probe: MeshArrays, where) -> None:
 # --------------------------------------------------------------------------- #
 # Many ranks: a parallel sample sort
 # --------------------------------------------------------------------------- #
-def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: int, progress: bool) -> Path:
+def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: int, progress: bool,
+                         allow_duplicates: bool) -> Path:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -394,6 +418,7 @@ def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: 
     n, n_cells, point_start, cell_start, part_starts = info
     summary = (None if not len(part.points) else (part.points.min(axis=0), part.points.max(axis=0)),
                0 if part.cells is None else part.cells.shape[1],
+               pc.nonfinite(part.points, point_start),
                {k: (v.dtype, v.shape[1:]) for k, v in part.point_data.items()},
                {k: (v.dtype, v.shape[1:]) for k, v in part.cell_data.items()},
                part.cell_types is not None, part.cells is not None, part.points.shape[1:])
@@ -401,11 +426,14 @@ def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: 
     dist.all_gather_object(summaries, summary, group=group)
     error = None
     try:  # the same verdict on every rank: computed from the gathered summaries only
-        if any(s[2:] != summaries[0][2:] for s in summaries):
+        if any(s[3:] != summaries[0][3:] for s in summaries):
             raise DataPipeError(f"{input_path}: the parts read by the ranks differ in fields, point dimensions "
-                                f"or cells: {[s[2:] for s in summaries]}")
+                                f"or cells: {[s[3:] for s in summaries]}")
         if not n:
-            raise DataPipeError(f"{input_path}: no points")
+            raise DataPipeError(f"{input_path}: no points (an empty mesh cannot be prepared)")
+        bad = [s[2] for s in summaries if s[2][0]]
+        if bad:
+            raise pc.nonfinite_error(str(input_path), sum(b[0] for b in bad), bad[0][1], bad[0][2])
         _check_names([*part.point_data, *part.cell_data], str(input_path))
         if part.cells is not None:
             _check_cells(part.cells, n, str(input_path))
@@ -422,7 +450,11 @@ def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: 
     rows = [CURVES[curve](part.points, bits, cube), np.arange(point_start, point_start + len(part.points)),
             ss.pack(layout.point_arrays(part))]
     part.points, part.point_data = part.points[:0], {k: v[:0] for k, v in part.point_data.items()}
-    _, index, payload = ss.sample_sort(rows, group)
+    keys, index, payload = ss.sample_sort(rows, group)
+    if not allow_duplicates:
+        _check_duplicates_on_ranks(keys, index, lambda rows: _points_of(payload, layout, rows), str(input_path),
+                                   group)
+    del keys
     out_start, _, counts = ss.exclusive_offsets(len(index), group)
     tmp = path.with_name(f".{path.name}.tmp-prepare")
     error = None
@@ -488,6 +520,23 @@ def _prepare_distributed(path: Path, input_path: Path, group, curve: str, bits: 
     bar.update(bar.total - bar.n)
     bar.close()
     return path
+
+
+def _points_of(payload: np.ndarray, layout: _Layout, rows: np.ndarray) -> np.ndarray:
+    """The coordinates of some rows of a packed point payload (the points are its first columns)."""
+    return ss.unpack(payload[rows], layout.point_spec[:1])[0]
+
+
+def _check_duplicates_on_ranks(keys: np.ndarray, index: np.ndarray, points_of, where: str, group) -> None:
+    """Duplicate points among the key-sorted rows of all ranks: each rank's own runs, then the runs at the
+    ranks' edges (gathered: a run of equal keys may continue on the next rank); the same error everywhere."""
+    import torch.distributed as dist
+
+    found = pc.first_duplicate(keys, index, points_of)
+    edges: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(edges, pc.edge_runs(keys, index, points_of), group=group)
+    found = found or pc.across_edges([run for runs in edges for run in runs])
+    check_all_ranks(None if found is None else pc.duplicate_error(where, found), group)
 
 
 def _lookup_in_place(cells: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:

@@ -40,7 +40,8 @@ from ._files import atomic_path, open_h5
 from .decomposition import balanced_sizes
 from .errors import DataPipeError, MissingDataError
 
-__all__ = ["CELL_TYPES", "MeshArrays", "MeshInput", "open_mesh_input", "read_mesh", "write_mesh", "write_pvtu"]
+__all__ = ["CELL_TYPES", "MeshArrays", "MeshInput", "count_pieces", "open_mesh_input", "read_mesh", "write_mesh",
+           "write_pvtu"]
 
 #: meshio cell type name -> VTK cell type id (the ``cell_type`` dataset of a prepared mesh).
 CELL_TYPES: dict[str, int] = {
@@ -112,7 +113,20 @@ def open_mesh_input(path) -> MeshInput:
         return _WholeInput(path, _read_npz)
     if suffix == ".vtp":
         return _WholeInput(path, _read_vtp)
+    if suffix == ".vtu":
+        return _WholeInput(path, _read_vtu)
     return _WholeInput(path, _read_meshio)
+
+
+def count_pieces(path) -> int:
+    """Files a mesh is read from: the pieces a ``.pvtu`` lists, else 1."""
+    path = Path(path)
+    if path.suffix.lower() != ".pvtu":
+        return 1
+    try:
+        return sum(1 for _ in ET.parse(path).getroot().iter("Piece"))
+    except (ET.ParseError, OSError) as err:
+        raise DataPipeError(f"{path}: cannot be read as a .pvtu file ({err})") from None
 
 
 class MeshInput:
@@ -195,8 +209,10 @@ class _HDF5Input(MeshInput):
         self._file = open_h5(str(path))
         f = self._file
         if "points" not in f:
+            found = sorted(f)  # read before closing: a closed file has no members to list
             self._file.close()
-            raise MissingDataError(f"{path}: no 'points' array (found: {sorted(f)})")
+            raise MissingDataError(f"{path}: no 'points' dataset (found: {found}); an unprepared HDF5 mesh "
+                                   "needs /points (n_points, ndim), optional /cells and fields")
         fields = f["fields"] if "fields" in f else f
         reserved = {"points", "cells", "cell_types", "cell_type", "cell_owner"}
         point_data = {k: v for k, v in fields.items() if isinstance(v, h5py.Dataset) and k not in reserved}
@@ -228,6 +244,11 @@ class _PiecesInput(MeshInput):
         if not pieces or None in pieces:
             raise DataPipeError(f"{path}: a .pvtu file needs <Piece Source=...> entries, found {len(pieces)}")
         self.pieces = [path.parent / p for p in pieces]
+        missing = [str(p) for p in self.pieces if not p.exists()]
+        if missing:
+            raise MissingDataError(f"{path}: {len(missing)} of its {len(self.pieces)} pieces do not exist: "
+                                   f"{missing[:3]}{' ...' if len(missing) > 3 else ''} (a .pvtu lists its .vtu "
+                                   "pieces by path relative to itself; copy them next to it)")
         counts = [_piece_counts(p) for p in self.pieces]
         self._point_offsets = np.cumsum([0, *(c[0] for c in counts)])
         self._cell_offsets = np.cumsum([0, *(c[1] for c in counts)])
@@ -254,7 +275,7 @@ class _PiecesInput(MeshInput):
     def _piece(self, i: int) -> MeshArrays:
         if self._cached is None or self._cached[0] != i:
             self._cached = None  # drop the previous piece before reading the next
-            mesh = _read_meshio(self.pieces[i])
+            mesh = _read_vtu(self.pieces[i])
             n, m = len(mesh.points), 0 if mesh.cells is None else len(mesh.cells)
             expected = (int(self._point_offsets[i + 1] - self._point_offsets[i]),
                         int(self._cell_offsets[i + 1] - self._cell_offsets[i]))
@@ -365,48 +386,76 @@ def _read_meshio(path: Path) -> MeshArrays:
 _VTP_SECTIONS = (("Verts", {1: "vertex"}), ("Lines", {2: "line"}), ("Polys", {3: "triangle", 4: "quad"}))
 
 
+def _read_vtu(path: Path) -> MeshArrays:
+    """A ``.vtu`` piece or file: meshio's reader, except for a point cloud (no cells), which it cannot read.
+
+    meshio writes a mesh without cells as a ``.vtu`` with no ``<Cells>``
+    section and then fails to read it back; such a file (``NumberOfCells="0"``
+    in its header) is decoded here like a ``.vtp`` without cells.
+    """
+    try:
+        cloud = _piece_counts(path)[1] == 0
+    except DataPipeError:
+        cloud = False  # not a header we recognise: meshio's error says more
+    return _read_vtk_xml(path, "UnstructuredGrid") if cloud else _read_meshio(path)
+
+
 def _read_vtp(path: Path) -> MeshArrays:
     """A VTK PolyData file, decoded by meshio's VTU reader (same DataArray encodings)."""
+    return _read_vtk_xml(path, "PolyData")
+
+
+def _read_vtk_xml(path: Path, kind: str) -> MeshArrays:
+    """A VTK XML file of type ``kind`` whose pieces hold points, point data and PolyData cell sections."""
     try:
         from meshio.vtu._vtu import VtuReader, _parse_raw_binary
     except ImportError:
-        raise DataPipeError(f"{path}: reading .vtp needs meshio (pip install 'physicsnemo_dp[mesh]')") from None
+        raise DataPipeError(f"{path}: reading this format needs meshio (pip install 'physicsnemo_dp[mesh]')") from None
     try:
         try:
             root = ET.parse(path).getroot()
         except ET.ParseError:  # raw appended binary data is not XML
             root = _parse_raw_binary(str(path))
-        if root.tag != "VTKFile" or root.get("type") != "PolyData" or root.find("PolyData") is None:
-            raise DataPipeError(f"{path}: not a VTK PolyData file (VTKFile type {root.get('type')!r})")
+        if root.tag != "VTKFile" or root.get("type") != kind or root.find(kind) is None:
+            raise DataPipeError(f"{path}: not a VTK {kind} file (VTKFile type {root.get('type')!r})")
         reader = VtuReader.__new__(VtuReader)  # only its DataArray decoding is used
         reader.compression, reader.byte_order = root.get("compressor"), root.get("byte_order")
         reader.header_type = root.get("header_type", "UInt32")
         appended = root.find("AppendedData")
         reader.appended_data = None if appended is None else appended.text.strip()[1:]
         pieces, offset = [], 0
-        for piece in root.find("PolyData").findall("Piece"):
+        for piece in root.find(kind).findall("Piece"):
             pieces.append(_vtp_piece(reader, piece, offset, path))
             offset += len(pieces[-1].points)
     except DataPipeError:
         raise
     except Exception as err:
-        raise DataPipeError(f"{path}: cannot be read as a .vtp file ({type(err).__name__}: {err})") from None
+        raise DataPipeError(f"{path}: cannot be read as a VTK {kind} file ({type(err).__name__}: {err})") from None
     if not pieces:
-        raise DataPipeError(f"{path}: no <Piece> in the PolyData")
+        raise DataPipeError(f"{path}: no <Piece> in the {kind}")
     return _concat(pieces, str(path))
 
 
 def _vtp_piece(reader, piece, offset: int, path: Path) -> MeshArrays:
     n = int(piece.get("NumberOfPoints"))
 
+    def read(array, rows: int) -> np.ndarray:
+        if rows:
+            return reader.read_data(array)
+        from meshio.vtu._vtu import vtu_to_numpy_type  # an empty piece: meshio cannot decode empty arrays
+
+        return np.empty((0, int(array.get("NumberOfComponents", 1))), vtu_to_numpy_type[array.get("type")])
+
     def data(parent, rows: int) -> dict[str, np.ndarray]:
         out = {}
         for array in [] if parent is None else parent.findall("DataArray"):
-            values = reader.read_data(array)
-            out[array.get("Name")] = values.reshape(rows, -1) if values.size != rows else values.reshape(rows)
+            values = read(array, rows)
+            width = int(array.get("NumberOfComponents", 1)) if not rows else values.size // rows
+            out[array.get("Name")] = values.reshape(rows, width) if width != 1 else values.reshape(rows)
         return out
 
-    points = reader.read_data(piece.find("Points/DataArray")).reshape(n, -1)
+    points = piece.find("Points/DataArray")
+    points = read(points, n).reshape(n, int(points.get("NumberOfComponents", 3)) if not n else -1)
     if int(piece.get("NumberOfStrips", 0)):
         raise DataPipeError(f"{path}: cell type 'triangle strip' is not supported (supported: fixed-size "
                             f"types {sorted(CELL_TYPES)})")
@@ -451,7 +500,15 @@ def from_meshio(mesh, where: str = "mesh") -> MeshArrays:
     cells = np.concatenate([_pad(np.asarray(b.data, np.int64), width) for b in blocks]) if blocks else None
     types = np.concatenate([np.full(len(b.data), CELL_TYPES[b.type], np.uint8) for b in blocks]) if blocks else None
     point_data = {k: np.asarray(v) for k, v in mesh.point_data.items()}
+    if _vertex_per_point(cells, types, len(mesh.points)) and not cell_data:
+        cells, types = None, None  # a point cloud (how write_mesh stores one where a file needs cells)
     return MeshArrays(np.asarray(mesh.points), point_data, cells, types, cell_data if blocks else {}).check(where)
+
+
+def _vertex_per_point(cells: np.ndarray | None, types: np.ndarray | None, n_points: int) -> bool:
+    """Whether the cells are one ``vertex`` per point, in point order: a point cloud, not a mesh."""
+    return (cells is not None and cells.shape == (n_points, 1) and n_points > 0
+            and bool((types == CELL_TYPES["vertex"]).all()) and np.array_equal(cells[:, 0], np.arange(n_points)))
 
 
 def to_meshio(mesh: MeshArrays):
@@ -482,6 +539,9 @@ def _default_type(cells: np.ndarray) -> int:
 def write_mesh(path, mesh: MeshArrays, **kwargs) -> Path:
     """Write ``mesh`` with meshio (format from the suffix; ``kwargs`` go to ``meshio.write``).
 
+    A point cloud (no cells) is read back as one: a legacy ``.vtk`` stores it
+    with one ``vertex`` cell per point (meshio reads no ``.vtk`` without
+    cells), which :func:`read_mesh` drops again; a ``.vtu`` has no cells.
     ``.msh`` is written as Gmsh 2.2 (``file_format="gmsh22"`` unless given),
     the Gmsh version whose meshio writer keeps point and cell data of mixed
     meshes. Exodus files keep points, cells and point data (meshio writes no
@@ -491,6 +551,8 @@ def write_mesh(path, mesh: MeshArrays, **kwargs) -> Path:
 
     path = Path(path)
     out = to_meshio(mesh.check(str(path)))
+    if mesh.cells is None and path.suffix == ".vtk" and len(mesh.points):
+        out.cells = [meshio.CellBlock("vertex", np.arange(len(mesh.points))[:, None])]  # meshio reads no cell-less .vtk
     if path.suffix == ".msh":
         kwargs.setdefault("file_format", "gmsh22")
         for tag in ("gmsh:physical", "gmsh:geometrical"):  # meshio's own filler has the wrong lengths for mixed meshes

@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+import _flags
 from datapipes import check_all_ranks
 from physicsnemo_dp import ShardTensor, launch
 from physicsnemo_dp._torch_compat import default_store
@@ -60,9 +61,9 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
     """A parser with the flags every training example takes; the example adds its own."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=_Help)
     run = parser.add_argument_group("mesh and device")
-    run.add_argument("--domain-size", type=int, default=None,
+    run.add_argument("--domain-size", type=_flags.integer(1), default=None,
                      help="ranks that split one sample (default: 2 when the world size is even, else 1)")
-    run.add_argument("--ddp-size", type=int, default=None,
+    run.add_argument("--ddp-size", type=_flags.integer(1), default=None,
                      help="ranks that see different samples (default: world size / domain size)")
     run.add_argument("--strategy", choices=["ddp", "fsdp2", "none"], default="ddp",
                      help="data-parallel wrapper on the ddp axis")
@@ -73,23 +74,23 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
                           "checkpoint) may take before the watchdog reports the ranks that did not arrive and "
                           "ends the job")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to it)")
-    train.add_argument("--batch-size", type=int, default=batch_size, help="samples per step, split over the ddp ranks")
-    train.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine decay over --steps)")
-    train.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sample order")
-    train.add_argument("--prefetch", type=int, default=2, help="batches the datapipe reads ahead (0: read in the loop)")
+    train.add_argument("--steps", type=_flags.integer(1), default=steps, help="optimizer steps in total (a resumed run continues to it)")
+    train.add_argument("--batch-size", type=_flags.integer(1), default=batch_size, help="samples per step, split over the ddp ranks")
+    train.add_argument("--lr", type=_flags.real(0, inclusive=False), default=lr, help="peak learning rate (cosine decay over --steps)")
+    train.add_argument("--seed", type=_flags.integer(0, _flags.SEED_MAX), default=0, help="seed of the weights and of the sample order")
+    train.add_argument("--prefetch", type=_flags.integer(0), default=2, help="batches the datapipe reads ahead (0: read in the loop)")
     train.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                        help="a NaN/inf global loss: stop (every rank exits naming the step and the ranks whose data "
                             "gave it; nothing is saved) or skip the step (no optimizer step)")
-    train.add_argument("--max-skips", type=int, default=10,
+    train.add_argument("--max-skips", type=_flags.integer(0), default=10,
                        help="with --on-nonfinite skip: stop after this many consecutive skipped steps")
     files = parser.add_argument_group("output")
-    files.add_argument("--out", type=Path, default=Path(out), help="folder for the log, checkpoints, plots and data")
+    files.add_argument("--out", type=_flags.output_folder, default=out, help="folder for the log, checkpoints, plots and data")
     files.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|FOLDER",
                        help="latest (the default of a bare --resume): the newest loadable checkpoint in "
                             "OUT/checkpoints, failing if there is none; auto: that, or start fresh if there is "
                             "none; FOLDER: exactly that checkpoint folder")
-    files.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints (and one at the end)")
+    files.add_argument("--checkpoint-every", type=_flags.integer(1), default=25, help="steps between checkpoints (and one at the end)")
     files.add_argument("--quiet", action="store_true", help="no progress bar (messages and the log file remain)")
     return parser
 
@@ -122,13 +123,25 @@ def check_batch(args: argparse.Namespace, context: MeshContext) -> int:
 
 
 def prepare_output(args: argparse.Namespace) -> Path:
-    """Create ``--out``; a fresh run (no ``--resume``) drops the checkpoints of an earlier run there."""
+    """Create ``--out``; a fresh run (no ``--resume``) drops the checkpoints of an earlier run there.
+
+    Rank 0 creates it and checks that it can write there; its verdict is
+    shared (:func:`check_all_ranks`), so a folder that cannot be made stops
+    every rank with rank 0's message.
+    """
     out = Path(args.out).resolve()
+    error = None
     if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if args.resume is None:
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    dist.barrier()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+            if args.resume is None:
+                shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        except OSError as err:
+            error = SystemExit(f"--out {args.out}: cannot write there ({err}); pass a folder this user can write to")
+    check_all_ranks(error)
     return out
 
 
@@ -675,6 +688,7 @@ def open_run(args: argparse.Namespace, context: MeshContext | None, name: str,
     torchrun tests look for it); ``setup`` describes the example's data.
     """
     context = context or build_context(args)
+    _flags.check_layout(args, context)
     out = prepare_output(args)
     log = RunLog(out, name, args)
     log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
@@ -720,7 +734,7 @@ def on_ranks(fn: Callable, nprocs: int = 4, show: str | None = None):
     """
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--nprocs", type=int, default=nprocs, help="ranks to start without torchrun")
+    parser.add_argument("--nprocs", type=_flags.integer(1), default=nprocs, help="ranks to start without torchrun")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     if "WORLD_SIZE" not in os.environ:

@@ -43,6 +43,8 @@ from physicsnemo_dp.pipelines import DiffusionPipeline, EDMPrecond, EDMSchedule,
 from physicsnemo_dp.random import randn_like
 
 import _common
+import _flags
+import unet_darcy
 from unet_darcy import INPUT, TARGET, UNet, add_data_arguments, make_pipes, prepare_data
 
 
@@ -68,12 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = _common.training_parser(__doc__, steps=150, batch_size=8, lr=2e-3, out="outputs/diffusion_darcy")
     model = add_data_arguments(parser)  # the Darcy data flags of unet_darcy.py
     parser.set_defaults(grid=32, test_samples=2)
-    model.add_argument("--width", type=int, default=16, help="channels of the first U-Net level")
-    model.add_argument("--depth", type=int, default=2, help="pooling levels of the U-Net")
+    unet_darcy.add_unet_arguments(model)
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--sample-steps", type=int, default=18, help="noise levels of the Heun sampler")
-    sampling.add_argument("--churn", type=float, default=10.0, help="S_churn: fresh noise per step (0: ODE sampler)")
-    return parser.parse_args(argv)
+    sampling.add_argument("--sample-steps", type=_flags.integer(1), default=18,
+                          help="noise levels of the Heun sampler")
+    sampling.add_argument("--churn", type=_flags.real(0), default=10.0,
+                          help="S_churn: fresh noise per step (0: ODE sampler)")
+    return unet_darcy.check_unet_arguments(parser, parser.parse_args(argv))
 
 
 def build_pipeline(args, context: MeshContext) -> tuple[DiffusionPipeline, torch.optim.Optimizer, object]:

@@ -32,6 +32,7 @@ from torch import nn
 from physicsnemo_dp.distributed import MeshContext
 
 import _common
+import _flags
 import unet_darcy
 from spectral_models import FNO2d
 
@@ -84,9 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model", choices=["auto", "neuralop", "plain"], default="auto",
                        help="neuralop: neuraloperator's FNO (the spectral extra); plain: spectral_models.FNO2d; "
                             "auto: neuralop if installed")
-    model.add_argument("--width", type=int, default=32, help="channels of the Fourier layers")
-    model.add_argument("--modes", type=int, default=12, help="Fourier modes kept per transformed dim")
-    model.add_argument("--layers", type=int, default=4, help="Fourier layers")
+    model.add_argument("--width", type=_flags.integer(1), default=32, help="channels of the Fourier layers")
+    model.add_argument("--modes", type=_flags.integer(1), default=12, help="Fourier modes kept per transformed dim")
+    model.add_argument("--layers", type=_flags.integer(1), default=4, help="Fourier layers")
     return parser.parse_args(argv)
 
 

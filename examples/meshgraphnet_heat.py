@@ -47,6 +47,7 @@ from datapipes.synthetic import plate_with_hole, write_mesh_input
 from physicsnemo_dp.distributed import MeshContext
 
 import _common
+import _flags
 from graph_models import MeshGraphNet
 
 FIELDS = ["temperature", "source", "dirichlet", "boundary"]
@@ -124,12 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = _common.training_parser(__doc__, steps=200, batch_size=1, lr=3e-3, out="outputs/meshgraphnet_heat")
     parser.set_defaults(batch_size=None)  # one mesh per ddp rank: the ddp size (see make_pipes)
     model = parser.add_argument_group("data and model")
-    model.add_argument("--around", type=int, default=40, help="mesh nodes around the hole (per ring)")
-    model.add_argument("--rings", type=int, default=8, help="rings of cells between the hole and the outer square")
-    model.add_argument("--samples", type=int, default=16, help="training meshes")
-    model.add_argument("--test-samples", type=int, default=2, help="test meshes (the first is plotted)")
-    model.add_argument("--width", type=int, default=32, help="latent width of nodes and edges")
-    model.add_argument("--layers", type=int, default=10, help="message-passing (processor) layers")
+    model.add_argument("--around", type=_flags.integer(3), default=40, help="mesh nodes around the hole (per ring)")
+    model.add_argument("--rings", type=_flags.integer(1), default=8, help="rings of cells between the hole and the outer square")
+    model.add_argument("--samples", type=_flags.integer(1), default=16, help="training meshes")
+    model.add_argument("--test-samples", type=_flags.integer(1), default=2, help="test meshes (the first is plotted)")
+    model.add_argument("--width", type=_flags.integer(1), default=32, help="latent width of nodes and edges")
+    model.add_argument("--layers", type=_flags.integer(1), default=10, help="message-passing (processor) layers")
     return parser.parse_args(argv)
 
 

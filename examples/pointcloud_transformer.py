@@ -42,6 +42,7 @@ from physicsnemo_dp.distributed import MeshContext
 from physicsnemo_dp.debug.viz import rank_boxes
 
 import _common
+import _flags
 
 
 
@@ -149,14 +150,17 @@ def make_pipes(args, context: MeshContext, train: list[Path], test: list[Path]):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _common.training_parser(__doc__, steps=60, batch_size=4, lr=3e-3, out="outputs/pointcloud_transformer")
     model = parser.add_argument_group("data and model")
-    model.add_argument("--points", type=int, default=512, help="points per cloud (tokens per sample)")
-    model.add_argument("--noise", type=float, default=0.2, help="standard deviation of the measurement noise")
-    model.add_argument("--samples", type=int, default=32, help="training clouds")
-    model.add_argument("--test-samples", type=int, default=2, help="test clouds (the first is plotted)")
-    model.add_argument("--width", type=int, default=32, help="transformer width")
-    model.add_argument("--heads", type=int, default=4, help="attention heads")
-    model.add_argument("--depth", type=int, default=2, help="transformer blocks")
-    return parser.parse_args(argv)
+    model.add_argument("--points", type=_flags.integer(1), default=512, help="points per cloud (tokens per sample)")
+    model.add_argument("--noise", type=_flags.real(0), default=0.2, help="standard deviation of the measurement noise")
+    model.add_argument("--samples", type=_flags.integer(1), default=32, help="training clouds")
+    model.add_argument("--test-samples", type=_flags.integer(1), default=2, help="test clouds (the first is plotted)")
+    model.add_argument("--width", type=_flags.integer(1), default=32, help="transformer width")
+    model.add_argument("--heads", type=_flags.integer(1), default=4, help="attention heads")
+    model.add_argument("--depth", type=_flags.integer(1), default=2, help="transformer blocks")
+    args = parser.parse_args(argv)
+    if args.width % args.heads:
+        parser.error(f"argument --heads: the --width {args.width} must be a multiple of --heads {args.heads}")
+    return args
 
 
 def build_training(args, context: MeshContext):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,10 @@ from physicsnemo_dp.distributed import (
     parallelize_model,
     query_capabilities,
 )
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by path, not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _flags  # noqa: E402  (the examples' checked flag types)
 
 
 # ---------------------------------------------------------------- the model
@@ -89,19 +95,19 @@ def shard_for_this_rank(t: torch.Tensor, context: MeshContext, device) -> ShardT
 def parse_args(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--domain-size", type=int, default=2 if world % 2 == 0 else 1,
+    parser.add_argument("--domain-size", type=_flags.integer(1), default=2 if world % 2 == 0 else 1,
                         help="ranks that split one sample (default 2 when the world size is even, else 1); "
                              "the ddp size is world size / domain size")  # fmt: skip
     parser.add_argument("--strategy", choices=["ddp", "fsdp2", "none"], default="ddp", help="data-parallel wrapper on the ddp axis")
     parser.add_argument("--bf16", action="store_true", help="FSDP2 only: bf16 compute, fp32 gradient reduction")
     parser.add_argument("--checkpointing", action="store_true", help="recompute block activations in backward")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=4, help="global batch (split over the ddp ranks)")
-    parser.add_argument("--tokens", type=int, default=33, help="tokens per sample (split over the domain ranks)")
-    parser.add_argument("--features", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=16)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--steps", type=_flags.integer(1), default=5)
+    parser.add_argument("--batch", type=_flags.integer(1), default=4, help="global batch (split over the ddp ranks)")
+    parser.add_argument("--tokens", type=_flags.integer(1), default=33, help="tokens per sample (split over the domain ranks)")
+    parser.add_argument("--features", type=_flags.integer(1), default=3)
+    parser.add_argument("--hidden", type=_flags.integer(1), default=16)
+    parser.add_argument("--depth", type=_flags.integer(1), default=2)
+    parser.add_argument("--lr", type=_flags.real(0, inclusive=False), default=0.05)
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="collective timeout in seconds: a rank that stops makes the others fail after it")
     args = parser.parse_args(argv)

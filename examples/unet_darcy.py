@@ -37,6 +37,7 @@ from physicsnemo_dp.distributed import MeshContext
 from physicsnemo_dp.debug.viz import rank_boxes
 
 import _common
+import _flags
 
 INPUT, TARGET = "permeability", "pressure"
 
@@ -123,18 +124,35 @@ def make_pipes(args, context: MeshContext, train: Path, test: Path):
 def add_data_arguments(parser: argparse.ArgumentParser):
     """The Darcy data flags (``prepare_data`` reads them); returns their group for the model's flags."""
     group = parser.add_argument_group("data and model")
-    group.add_argument("--grid", type=int, default=64, help="grid points per side of each sample")
-    group.add_argument("--samples", type=int, default=96, help="training samples")
-    group.add_argument("--test-samples", type=int, default=4, help="test samples (one is plotted)")
+    group.add_argument("--grid", type=_flags.integer(3), default=64, help="grid points per side of each sample")
+    group.add_argument("--samples", type=_flags.integer(1), default=96, help="training samples")
+    group.add_argument("--test-samples", type=_flags.integer(1), default=4, help="test samples (one is plotted)")
     return group
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _common.training_parser(__doc__, steps=60, batch_size=8, lr=3e-3, out="outputs/unet_darcy")
     model = add_data_arguments(parser)
-    model.add_argument("--width", type=int, default=16, help="channels of the first U-Net level")
-    model.add_argument("--depth", type=int, default=2, help="pooling levels of the U-Net")
-    return parser.parse_args(argv)
+    add_unet_arguments(model)
+    return check_unet_arguments(parser, parser.parse_args(argv))
+
+
+def add_unet_arguments(group) -> None:
+    """The U-Net's flags (also the diffusion example's denoiser)."""
+    group.add_argument("--width", type=_flags.integer(4), default=16,
+                       help="channels of the first U-Net level (a multiple of 4: group norms of 4 groups)")
+    group.add_argument("--depth", type=_flags.integer(0, 8), default=2, help="pooling levels of the U-Net")
+
+
+def check_unet_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Flags that must fit each other: refused while parsing (every rank alike)."""
+    if args.width % 4:
+        parser.error(f"argument --width: must be a multiple of 4 (the U-Net's group norms have 4 groups), "
+                     f"got {args.width}")
+    if args.grid < 2**args.depth:
+        parser.error(f"argument --grid: {args.grid} points per side cannot be pooled {args.depth} times "
+                     f"(--depth); pass --grid >= {2**args.depth} or a smaller --depth")
+    return args
 
 
 def build_training(args, context: MeshContext):

@@ -102,7 +102,8 @@ def test_every_format_round_trips_a_mixed_mesh_through_preparation(fmt, tmp_path
     if fmt not in NO_CELL_DATA:
         assert np.allclose(back.cell_data["quality"], mesh.cell_data["quality"])
 
-    prepared = prepare_mesh(tmp_path / "prepared.h5", path)
+    # the .pvtu's pieces each carry all the points: duplicates, kept on purpose here
+    prepared = prepare_mesh(tmp_path / "prepared.h5", path, allow_duplicate_points=fmt == "pvtu")
     source = MeshSource(prepared)
     expected = {"points", "pressure", "velocity", "cells", "cell_type"}
     expected |= set() if fmt in NO_CELL_DATA else {"quality"}
@@ -166,3 +167,36 @@ def test_format_errors_name_the_file(tmp_path):
     with pytest.raises(DataPipeError, match="leave fields, cells"):
         prepare_mesh(tmp_path / "out.h5", tmp_path / "clash.h5", cells=np.zeros((1, 3), np.int64))
     assert not (tmp_path / "out.h5").exists()
+
+
+def test_an_hdf5_mesh_without_points_names_the_file_and_what_it_has(tmp_path):
+    with h5py.File(tmp_path / "nopoints.h5", "w") as f:
+        f["coordinates"], f["fields/p"] = np.zeros((5, 3)), np.zeros(5)
+    for call in (lambda: read_mesh(tmp_path / "nopoints.h5"),
+                 lambda: prepare_mesh(tmp_path / "o.h5", tmp_path / "nopoints.h5")):
+        with pytest.raises(MissingDataError, match=re.escape(f"{tmp_path / 'nopoints.h5'}: no 'points' dataset "
+                                                             "(found: ['coordinates', 'fields'])")):
+            call()
+
+
+def _cloud(n: int, seed: int) -> MeshArrays:
+    rng = np.random.default_rng(seed)
+    return MeshArrays(rng.random((n, 3)), {"temperature": rng.random(n).astype(np.float32),
+                                           "velocity": rng.random((n, 3))})
+
+
+@pytest.mark.parametrize("fmt", ["pvtu", "vtu", "vtk", "xdmf"])
+def test_a_point_cloud_written_by_the_project_reads_back_as_one(fmt, tmp_path):
+    pieces = [_cloud(30, 0), _cloud(1, 1), _cloud(25, 2)]  # a piece of one point: one value per field
+    if fmt == "pvtu":
+        path, expected = write_pvtu(tmp_path / "c.pvtu", pieces), pieces
+    else:
+        path, expected = write_mesh(tmp_path / f"c.{fmt}", pieces[0]), pieces[:1]
+    back = read_mesh(path)
+    assert back.cells is None and back.cell_types is None and back.cell_data == {}
+    assert np.array_equal(back.points, np.concatenate([p.points for p in expected]))
+    for name in ("temperature", "velocity"):
+        values = np.concatenate([p.point_data[name] for p in expected])
+        assert back.point_data[name].shape == values.shape and np.allclose(back.point_data[name], values), name
+    prepared = prepare_mesh(tmp_path / "prepared.h5", path)
+    assert MeshSource(prepared).variables == ("points", "temperature", "velocity")

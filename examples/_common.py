@@ -341,10 +341,10 @@ def _retarget_schedule(optimizer, scheduler, lr: float) -> None:
     The rate at the restored step is the schedule's own factor times the new
     peak (any other scheduler: the restored rate scaled by new/old peak).
     """
-    lambdas = getattr(scheduler, "lr_lambdas", None)
+    closed_form = isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)  # rate = peak * factor(step)
     for i, (group, base) in enumerate(zip(optimizer.param_groups, scheduler.base_lrs)):
-        if lambdas is not None:
-            group["lr"] = lr * lambdas[i](scheduler.last_epoch)
+        if closed_form:
+            group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
         else:
             group["lr"] = group["lr"] * (lr / base) if base else lr
         group["initial_lr"] = lr

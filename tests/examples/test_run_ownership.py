@@ -56,9 +56,9 @@ def _same_on_every_rank(text: str) -> str:
 # Corrupt checkpoints of higher steps + --resume auto
 # --------------------------------------------------------------------------- #
 def corrupt_then_auto(ctx, out: str) -> dict:
-    """Rank body: 6 steps (steps 5 and 6 kept), a bit flipped in each, then ``--resume auto`` for 3 steps."""
+    """Rank body: 8 steps (steps 4 and 8 kept), a bit flipped in each, then ``--resume auto`` for 3 steps."""
     c = context(ctx, "ddp")
-    unet_darcy.run(argv({**TINY, "--steps": 6, "--checkpoint-every": 1}, out), c)
+    unet_darcy.run(argv({**TINY, "--steps": 8, "--checkpoint-every": 4}, out), c)
     if ctx.rank == 0:
         for folder in (Path(out) / "checkpoints").glob("step_*"):
             victim = max((p for p in folder.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
@@ -77,7 +77,7 @@ def test_auto_over_corrupt_higher_checkpoints_keeps_the_new_runs_checkpoints(tmp
     root = tmp_path.resolve() / "checkpoints"
     assert got["finals"][-1].endswith(f"after 3 steps; checkpoint {root / 'step_00000003'}"), got["finals"]
     assert got["checkpoints"] == ["step_00000002", "step_00000003", "superseded"], got
-    assert got["aside"] == ["step_00000005", "step_00000006"]  # moved unchanged, not deleted
+    assert got["aside"] == ["step_00000004", "step_00000008"]  # moved unchanged, not deleted
     assert "2 checkpoint folder(s) from before this fresh start moved unchanged to" in got["log"]
 
 
@@ -183,14 +183,14 @@ def test_a_stale_lock_is_taken_over_and_a_failing_run_releases_its_lock(tmp_path
 # A rewind, then a plain --resume
 # --------------------------------------------------------------------------- #
 def rewind_then_resume(ctx, out: str) -> dict:
-    """Rank body: 12 steps (8 and 12 kept); resume from 8 to step 10; then a plain ``--resume`` to step 12."""
+    """Rank body: 6 steps (4 and 6 kept); resume from 4 to step 5; then a plain ``--resume`` to step 6."""
     c = context(ctx, "ddp")
     root = Path(out) / "checkpoints"
-    unet_darcy.run(argv({**TINY, "--steps": 12, "--checkpoint-every": 4}, out), c)
-    rewound = unet_darcy.run(argv({**TINY, "--steps": 10, "--checkpoint-every": 2,
-                                   "--resume": root / "step_00000008"}, out), c)
+    unet_darcy.run(argv({**TINY, "--steps": 6, "--checkpoint-every": 2}, out), c)
+    rewound = unet_darcy.run(argv({**TINY, "--steps": 5, "--checkpoint-every": 1,
+                                   "--resume": root / "step_00000004"}, out), c)
     after_rewind = _listing(out)
-    later = unet_darcy.run(argv({**TINY, "--steps": 12, "--checkpoint-every": 2, "--resume": None}, out), c)
+    later = unet_darcy.run(argv({**TINY, "--steps": 6, "--checkpoint-every": 1, "--resume": None}, out), c)
     return {"rewound": rewound["losses"], "later": later["losses"], "after_rewind": after_rewind, **_listing(out)}
 
 
@@ -199,12 +199,12 @@ def test_a_resume_after_a_rewind_continues_the_rewound_branch(tmp_path):
     got = on_layout(__name__, "rewind_then_resume", (2, 1), out=tmp_path)
     root = tmp_path.resolve() / "checkpoints"
     rewind = got["after_rewind"]
-    assert rewind["finals"][-1].endswith(f"after 10 steps; checkpoint {root / 'step_00000010'}"), rewind["finals"]
-    assert rewind["checkpoints"] == ["step_00000008", "step_00000010", "superseded"], rewind
-    assert rewind["aside"] == ["step_00000012"]  # the old branch's later step: kept, out of the way
-    assert f"resumed from {root / 'step_00000010'} at step 10" in got["log"]
-    assert got["later"][:10] == got["rewound"]  # the rewound branch's losses, not the old branch's
-    assert got["finals"][-1].endswith(f"after 12 steps; checkpoint {root / 'step_00000012'}")
+    assert rewind["finals"][-1].endswith(f"after 5 steps; checkpoint {root / 'step_00000005'}"), rewind["finals"]
+    assert rewind["checkpoints"] == ["step_00000004", "step_00000005", "superseded"], rewind
+    assert rewind["aside"] == ["step_00000006"]  # the old branch's later step: kept, out of the way
+    assert f"resumed from {root / 'step_00000005'} at step 5" in got["log"]
+    assert got["later"][:5] == got["rewound"]  # the rewound branch's losses, not the old branch's
+    assert got["finals"][-1].endswith(f"after 6 steps; checkpoint {root / 'step_00000006'}")
 
 
 # --------------------------------------------------------------------------- #

@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,13 +31,14 @@ import torch
 import torch.distributed as dist
 
 import _flags
+import _output_lock
 from datapipes import check_all_ranks
 from physicsnemo_dp import ShardTensor, launch
 from physicsnemo_dp._torch_compat import default_store
 from physicsnemo_dp.checkpoint import (
     CheckpointError,
     CheckpointWarning,
-    latest_checkpoint,
+    begin_branch,
     load_checkpoint,
     save_checkpoint,
 )
@@ -127,7 +129,9 @@ def prepare_output(args: argparse.Namespace) -> Path:
 
     Rank 0 creates it and checks that it can write there; its verdict is
     shared (:func:`check_all_ranks`), so a folder that cannot be made stops
-    every rank with rank 0's message.
+    every rank with rank 0's message. Called by :func:`open_run` once the run
+    holds the folder's lock, so it never drops the checkpoints of a run still
+    writing them.
     """
     out = Path(args.out).resolve()
     error = None
@@ -143,6 +147,34 @@ def prepare_output(args: argparse.Namespace) -> Path:
             error = SystemExit(f"--out {args.out}: cannot write there ({err}); pass a folder this user can write to")
     check_all_ranks(error)
     return out
+
+
+@contextmanager
+def _owning_output(out: Path) -> Iterator[str | None]:
+    """Hold ``out/run.lock`` for the block (collective); yields the note about a stale lock taken over, or None.
+
+    Rank 0 takes the lock (:mod:`_output_lock`) and every rank gets its
+    verdict, so a folder held by another run stops every rank with the same
+    message naming the holder, before anything in it is touched. The lock is
+    released when the block ends, also when it raises.
+    """
+    held, refusal = None, None
+    if dist.get_rank() == 0:
+        try:
+            held = _output_lock.acquire(out)
+        except _output_lock.OutputBusyError as err:
+            refusal = str(err)
+        except OSError as err:
+            refusal = f"--out {out}: cannot create its lock file: {err}"
+    verdict = [refusal, None if held is None else held.note]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise SystemExit(verdict[0])
+    try:
+        yield verdict[1]
+    finally:
+        if held is not None:
+            _output_lock.release(held)
 
 
 def finish(out: Path) -> None:
@@ -277,26 +309,102 @@ def _restore_position(pipe, saved: dict) -> None:
     pipe.load_state_dict({**saved, "ddp_size": mine["ddp_size"], "batch_size": mine["batch_size"]})
 
 
-def _resume(args: argparse.Namespace, context: MeshContext, root: Path, model, optimizer, scheduler, log: RunLog):
+#: Flags of :func:`training_parser` a resumed run may change: applied, and logged as changed. Every other flag —
+#: the shared ``--seed`` and ``--batch-size``, any flag added later, and an example's own flags unless it passes
+#: them to :func:`fit` as ``may_change`` — is structural: it shapes the model, the data or the sample order, so
+#: a checkpoint taken with another value is refused, naming the difference.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "steps", "lr", "timeout", "prefetch", "on_nonfinite", "max_skips", "checkpoint_every", "quiet", "out",
+    "domain_size", "ddp_size", "strategy", "device",
+})
+_NOT_COMPARED = frozenset({"resume"})
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """The parsed flags as JSON values: what a checkpoint records of the run that wrote it (``extra["args"]``)."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v) for k, v in vars(args).items()}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _compare_settings(recorded: dict, args: argparse.Namespace, may_change) -> tuple[list, list, list]:
+    """``(structural differences, allowed changes, flags recorded on one side only)`` as ``(dest, old, new)``."""
+    now = _settings(args)
+    allowed = MAY_CHANGE_ON_RESUME | set(may_change)
+    structural, changed, one_sided = [], [], []
+    for dest in sorted((set(recorded) | set(now)) - _NOT_COMPARED):
+        if dest not in recorded or dest not in now:
+            one_sided.append((dest, recorded.get(dest, "not recorded"), now.get(dest, "no such flag now")))
+        elif recorded[dest] != now[dest]:
+            (changed if dest in allowed else structural).append((dest, recorded[dest], now[dest]))
+    return structural, changed, one_sided
+
+
+def _retarget_schedule(optimizer, scheduler, lr: float) -> None:
+    """Make the restored optimizer and LR schedule follow peak ``lr`` and this run's schedule from here on.
+
+    Loading restores the saved peak (the scheduler's ``base_lrs``, the
+    groups' ``initial_lr``) and the saved step's rate; a new ``--lr`` (or a new
+    ``--steps``, which the cosine schedule's factor reads) must replace all
+    three, or the next ``scheduler.step()`` would return to the old peak.
+    The rate at the restored step is the schedule's own factor times the new
+    peak (any other scheduler: the restored rate scaled by new/old peak).
+    """
+    closed_form = isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)  # rate = peak * factor(step)
+    for i, (group, base) in enumerate(zip(optimizer.param_groups, scheduler.base_lrs)):
+        if closed_form:
+            group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        else:
+            group["lr"] = group["lr"] * (lr / base) if base else lr
+        group["initial_lr"] = lr
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+
+
+def _resume(args: argparse.Namespace, context: MeshContext, root: Path, model, optimizer, scheduler, log: RunLog,
+            may_change=()):
     """``--resume``: the Restored checkpoint, or None to start at step 0; the same decision on every rank.
 
     ``latest`` fails when nothing under ``root`` loads (a run that silently
     restarts from step 0 would overwrite the good checkpoints it failed to
     read); ``auto`` starts fresh then; a folder must load. The reason every
     candidate was skipped (the checkpoint module's warnings) is in the message.
+
+    The flags the checkpoint recorded are compared with this run's before
+    anything is loaded: a structural difference (see
+    :data:`MAY_CHANGE_ON_RESUME`) stops every rank with one message listing
+    each ``old → new``; the flags that may change are applied (a new
+    ``--lr`` or ``--steps`` retargets the restored schedule) and logged.
     """
     if args.resume is None:
         return None
     source = root if args.resume in ("latest", "auto") else Path(args.resume)
+    refusal, compared = [], []
+
+    def check_settings(path: Path, extra: dict) -> None:
+        if "args" not in extra:
+            return
+        structural, changed, one_sided = _compare_settings(extra["args"], args, may_change)
+        compared[:] = [changed, one_sided]
+        if structural:
+            refusal.append(
+                f"--resume {args.resume}: checkpoint {path} was written with other settings of the model or data:\n"
+                + "".join(f"  {_flag(d)} {old} → {new}\n" for d, old, new in structural)
+                + "resume with the checkpoint's values, or start a new run (without --resume, or with another --out)")
+            raise CheckpointError(refusal[-1])
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
         try:
-            restored, error = load_checkpoint(source, model, optimizer, scheduler), None
+            restored, error = load_checkpoint(source, model, optimizer, scheduler, check_extra=check_settings), None
         except CheckpointError as err:
             restored, error = None, err
     for w in caught:  # shown as usual, and named in the error below
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    check_all_ranks(error)  # an explicit folder that fails on any rank fails on every rank
+    check_all_ranks(None if refusal else error)  # an explicit folder that fails on any rank fails on every rank
+    if refusal:  # every rank compared the same record with the same flags
+        raise SystemExit(refusal[0])
     loaded = torch.tensor([restored is not None, restored is None], dtype=torch.int32, device=context.device)
     dist.all_reduce(loaded)
     loaded = loaded.cpu()
@@ -304,6 +412,16 @@ def _resume(args: argparse.Namespace, context: MeshContext, root: Path, model, o
         raise CheckpointError(f"--resume {args.resume}: {loaded[0].item()} rank(s) loaded a checkpoint from "
                               f"{source}, {loaded[1].item()} found none; is {source} on a filesystem every rank sees?")
     if restored is not None:
+        if not compared:
+            log.info(f"checkpoint {restored.path} records no settings: this run's flags were not compared with it")
+        else:
+            changed, one_sided = compared
+            for dest, old, new in changed:
+                log.info(f"{_flag(dest)} changed {old} → {new} on resume")
+            for dest, old, new in one_sided:
+                log.info(f"{_flag(dest)}: {old} in the checkpoint, {new} now (not compared)")
+            if any(dest in ("lr", "steps") for dest, _, _ in changed):
+                _retarget_schedule(optimizer, scheduler, args.lr)
         return restored
     skipped = "".join(f"\n  skipped: {w.message}" for w in caught if issubclass(w.category, CheckpointWarning))
     if args.resume == "auto":
@@ -341,12 +459,22 @@ def _nonfinite_report(step: int, loss: float, bad: list[int], batch, context: Me
 
 
 def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callable, args: argparse.Namespace,
-        out: Path, log: RunLog) -> list[float]:
+        out: Path, log: RunLog, *, may_change=()) -> list[float]:
     """Train to ``args.steps`` (resuming if asked) and return the global-batch loss of every step.
 
     ``loss_fn(model, batch)`` returns this ddp rank's mean loss. A checkpoint
-    (model, optimizer, scheduler, RNG, the pipe's position and the losses so
-    far) is written every ``--checkpoint-every`` steps and at the end.
+    (model, optimizer, scheduler, RNG, the pipe's position, the losses so far
+    and the parsed flags) is written every ``--checkpoint-every`` steps and at
+    the end. ``may_change`` names the example's own flags (dests) that a
+    resumed run may change; its other flags are structural (:func:`_resume`).
+
+    The run's checkpoints form a branch (:func:`physicsnemo_dp.checkpoint.begin_branch`)
+    descending from the checkpoint it resumed from: folders of
+    ``OUT/checkpoints`` that are not its ancestors (the later steps of a
+    rewind, checkpoints that did not load under ``--resume auto``) are moved
+    to ``OUT/checkpoints/superseded/<branch>/`` and logged, so a later
+    ``--resume`` continues this run. The last log line names the checkpoint
+    this run wrote last.
 
     What stops a run, on every rank alike: a data error on any rank
     (:func:`datapipes.check_all_ranks`, one flag all-reduced per step before
@@ -357,13 +485,20 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
     """
     root = out / "checkpoints"
     step, losses, skips = 0, [], 0
-    restored = _resume(args, context, root, model, optimizer, scheduler, log)
+    restored = _resume(args, context, root, model, optimizer, scheduler, log, may_change)
     if restored is not None:
         step, losses = restored.step, list(restored.extra["losses"])
         _restore_position(pipe, restored.extra["pipe"])
         saved = restored.extra.get("layout")
         log.info(f"resumed from {restored.path} at step {step} (saved on layout {saved}, "
                  f"now ({context.ddp_size}, {context.domain_size}))")
+    branch = begin_branch(root, restored)
+    if branch.set_aside:
+        why = (f"not on the line of {restored.path.name} (later steps, another branch, or an unreadable manifest)"
+               if restored is not None else "from before this fresh start")
+        log.info(f"{len(branch.set_aside)} checkpoint folder(s) {why} moved unchanged to {branch.aside}: "
+                 f"{', '.join(branch.set_aside)}")
+    newest = None if restored is None else restored.path  # the newest checkpoint of this run's line
     log.start(step, args.steps)
     batches = _endless(pipe)
     watchdog = StepWatchdog(args.timeout, log)
@@ -388,7 +523,7 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
                 if args.on_nonfinite == "stop" or skips > args.max_skips:
                     limit = "" if args.on_nonfinite == "stop" else f"\n{skips} consecutive steps skipped (--max-skips)"
                     raise NonFiniteLossError(f"{report}{limit}\nnothing was saved for this step; the newest "
-                                             f"checkpoint is {latest_checkpoint(root)}")
+                                             f"checkpoint is {newest}")
                 optimizer.zero_grad(set_to_none=True)  # the step's gradients are dropped
                 log.info(f"{report}\nskipped ({skips} in a row, at most {args.max_skips})")
                 continue
@@ -401,8 +536,15 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
             log.step(step, losses[-1], args.batch_size)
             if step % args.checkpoint_every == 0 or step == args.steps:
                 watchdog.at(step, "writing a checkpoint")
-                extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size]}
-                save_checkpoint(root, step, model, optimizer, scheduler, extra=extra)
+                extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size],
+                         "args": _settings(args)}
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", CheckpointWarning)
+                    newest = save_checkpoint(root, step, model, optimizer, scheduler, extra=extra,
+                                             lineage=branch.lineage)
+                for w in caught:  # e.g. a corrupt checkpoint that pruning left in place: shown and logged
+                    log.info(f"warning: {w.message}")
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except BaseException as err:
         watchdog.failed(step + 1, err)
         raise
@@ -411,7 +553,7 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
         batches.close()
     log.stop()
     if losses:
-        log.info(f"final loss {losses[-1]:.6g} after {step} steps; checkpoint {latest_checkpoint(root)}")
+        log.info(f"final loss {losses[-1]:.6g} after {step} steps; checkpoint {newest}")
     return losses
 
 
@@ -678,22 +820,33 @@ def _limits(arrays: dict) -> tuple:
 # --------------------------------------------------------------------------- #
 # A training example's run: opened and closed the same way in every example
 # --------------------------------------------------------------------------- #
+@contextmanager
 def open_run(args: argparse.Namespace, context: MeshContext | None, name: str,
-             setup: str) -> tuple[MeshContext, Path, RunLog]:
-    """The run's mesh, output folder and log, whose first message is the layout.
+             setup: str) -> Iterator[tuple[MeshContext, Path, RunLog]]:
+    """``with open_run(...) as (context, out, log):`` the run's mesh, output folder and log; the run owns ``--out``.
 
-    ``context`` is passed by callers that already hold a mesh (the tests);
-    without it the mesh comes from the flags. Every example's log starts with
-    the same mesh line, so any run's layout can be read off its log (and the
-    torchrun tests look for it); ``setup`` describes the example's data.
+    For the whole block the run holds ``OUT/run.lock`` (:func:`_owning_output`):
+    a second run on the same folder is refused on every rank, naming the
+    holder; the lock and the log are released when the block ends, also when
+    it raises. ``context`` is passed by callers that already hold a mesh (the
+    tests); without it the mesh comes from the flags. Every example's log
+    starts with the same mesh line, so any run's layout can be read off its
+    log (and the torchrun tests look for it); ``setup`` describes the
+    example's data.
     """
     context = context or build_context(args)
     _flags.check_layout(args, context)
-    out = prepare_output(args)
-    log = RunLog(out, name, args)
-    log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
-             f"strategy={args.strategy}, {setup}, global batch {args.batch_size}")
-    return context, out, log
+    with _owning_output(Path(args.out).resolve()) as taken_over:
+        out = prepare_output(args)
+        log = RunLog(out, name, args)
+        try:
+            if taken_over is not None:
+                log.info(taken_over)
+            log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
+                     f"strategy={args.strategy}, {setup}, global batch {args.batch_size}")
+            yield context, out, log
+        finally:
+            log.close()
 
 
 def close_run(context: MeshContext, args: argparse.Namespace, out: Path, log: RunLog, *, title: str,

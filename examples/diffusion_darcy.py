@@ -157,38 +157,40 @@ def _plot_invariance(path, result: dict, context: MeshContext):
 def run(argv=None, context: MeshContext | None = None) -> dict:
     """Train, sample and plot; returns the run's result (``_common.close_run``'s, plus the sampling figures)."""
     args = parse_args(argv)
-    context, out, log = _common.open_run(args, context, "diffusion-darcy", f"grid {args.grid}x{args.grid}")
-    train, test = prepare_data(args, out)
-    train_pipe, test_pipe, normalize = make_pipes(args, context, train, test)
-    pipeline, optimizer, scheduler = build_pipeline(args, context)
-    losses = _common.fit(context, pipeline["denoiser"], optimizer, scheduler, train_pipe, loss_fn, args, out, log)
-    pipeline.save(out / "pipeline", step=len(losses))
-    result = generate(pipeline, args, test_pipe, normalize, context)
-    sample_error = float((result["normalized"]["sample"] - result["normalized truth"]).pow(2).mean())
-    log.info(f"test sample {result['sample_index']}: mean squared error of a sample (normalized) {sample_error:.4g}")
-    invariance = None
-    if dist.get_rank() == 0:
-        sample = result["normalized"]["sample"]
-        invariance = float((sample - result["normalized one process"]).abs().max() / sample.abs().max())
-        log.info(f"P-invariance: max |sample on {context.domain_size} domain ranks - one-process sample| / "
-                 f"max |sample| = {invariance:.3g} (float round-off)")  # fmt: skip
-        invariance_plot = _plot_invariance(out / "p_invariance.png", result, context)
-        log.info(f"p_invariance plot: {invariance_plot}")
-    outcome = _common.close_run(
-        context, args, out, log, title="EDM diffusion on Darcy flow", losses=losses, test_loss=sample_error,
-        plot_prediction=lambda path: _common.plot_fields(
-            path,
-            {INPUT: result[INPUT], "truth: pressure": result["truth"], "sample": result["sample"],
-             "sample 2": result["sample 2"], "|sample - truth|": (result["sample"] - result["truth"]).abs()},
-            f"test sample {result['sample_index']}: two samples from the denoiser conditioned on permeability",
-            row_splits=result["rows"], same_scale=("truth: pressure", "sample", "sample 2"),
-        ),
-        pipes=(train_pipe, test_pipe), model=pipeline["denoiser"], optimizer=optimizer,
-    )  # fmt: skip
-    if dist.get_rank() == 0:
-        outcome["files"]["p_invariance"] = out / "p_invariance.png"
-    return {**outcome, "pipeline": pipeline, "p_difference": invariance,  # relative, rank 0 only
-            "sample": result["normalized"]["sample"], "sample_error": sample_error}
+    with _common.open_run(args, context, "diffusion-darcy", f"grid {args.grid}x{args.grid}") as (context, out, log):
+        train, test = prepare_data(args, out)
+        train_pipe, test_pipe, normalize = make_pipes(args, context, train, test)
+        pipeline, optimizer, scheduler = build_pipeline(args, context)
+        losses = _common.fit(context, pipeline["denoiser"], optimizer, scheduler, train_pipe, loss_fn, args, out, log,
+                             may_change=("sample_steps", "churn"))  # sampling only: not part of the training state
+        pipeline.save(out / "pipeline", step=len(losses))
+        result = generate(pipeline, args, test_pipe, normalize, context)
+        sample_error = float((result["normalized"]["sample"] - result["normalized truth"]).pow(2).mean())
+        log.info(f"test sample {result['sample_index']}: mean squared error of a sample (normalized) "
+                 f"{sample_error:.4g}")
+        invariance = None
+        if dist.get_rank() == 0:
+            sample = result["normalized"]["sample"]
+            invariance = float((sample - result["normalized one process"]).abs().max() / sample.abs().max())
+            log.info(f"P-invariance: max |sample on {context.domain_size} domain ranks - one-process sample| / "
+                     f"max |sample| = {invariance:.3g} (float round-off)")  # fmt: skip
+            invariance_plot = _plot_invariance(out / "p_invariance.png", result, context)
+            log.info(f"p_invariance plot: {invariance_plot}")
+        outcome = _common.close_run(
+            context, args, out, log, title="EDM diffusion on Darcy flow", losses=losses, test_loss=sample_error,
+            plot_prediction=lambda path: _common.plot_fields(
+                path,
+                {INPUT: result[INPUT], "truth: pressure": result["truth"], "sample": result["sample"],
+                 "sample 2": result["sample 2"], "|sample - truth|": (result["sample"] - result["truth"]).abs()},
+                f"test sample {result['sample_index']}: two samples from the denoiser conditioned on permeability",
+                row_splits=result["rows"], same_scale=("truth: pressure", "sample", "sample 2"),
+            ),
+            pipes=(train_pipe, test_pipe), model=pipeline["denoiser"], optimizer=optimizer,
+        )  # fmt: skip
+        if dist.get_rank() == 0:
+            outcome["files"]["p_invariance"] = out / "p_invariance.png"
+        return {**outcome, "pipeline": pipeline, "p_difference": invariance,  # relative, rank 0 only
+                "sample": result["normalized"]["sample"], "sample_error": sample_error}
 
 
 if __name__ == "__main__":

@@ -95,19 +95,19 @@ def run(argv=None, context: MeshContext | None = None) -> dict:
     """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
     kind = model_kind(args.model)
-    context, out, log = _common.open_run(args, context, "fno-darcy",
-                                         f"grid {args.grid}x{args.grid}, model {kind}, modes {args.modes}")
-    train, test = unet_darcy.prepare_data(args, out)
-    train_pipe, test_pipe, normalize = unet_darcy.make_pipes(args, context, train, test)
-    model, optimizer, scheduler = _common.build_training(args, context, lambda: make_model(args), torch.optim.Adam)
-    losses = _common.fit(context, model, optimizer, scheduler, train_pipe, unet_darcy.loss_fn, args, out, log)
-    test_loss, sample = unet_darcy.evaluate(model, test_pipe, normalize, context)
-    log.info(f"test loss (normalized pressure, {len(test_pipe) * context.ddp_size} samples): {test_loss:.6g}")
-    return _common.close_run(
-        context, args, out, log, title=f"FNO ({kind}) on Darcy flow", losses=losses, test_loss=test_loss,
-        plot_prediction=lambda path: unet_darcy.plot_sample(path, sample),
-        pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
-    )
+    with _common.open_run(args, context, "fno-darcy",
+                          f"grid {args.grid}x{args.grid}, model {kind}, modes {args.modes}") as (context, out, log):
+        train, test = unet_darcy.prepare_data(args, out)
+        train_pipe, test_pipe, normalize = unet_darcy.make_pipes(args, context, train, test)
+        model, optimizer, scheduler = _common.build_training(args, context, lambda: make_model(args), torch.optim.Adam)
+        losses = _common.fit(context, model, optimizer, scheduler, train_pipe, unet_darcy.loss_fn, args, out, log)
+        test_loss, sample = unet_darcy.evaluate(model, test_pipe, normalize, context)
+        log.info(f"test loss (normalized pressure, {len(test_pipe) * context.ddp_size} samples): {test_loss:.6g}")
+        return _common.close_run(
+            context, args, out, log, title=f"FNO ({kind}) on Darcy flow", losses=losses, test_loss=test_loss,
+            plot_prediction=lambda path: unet_darcy.plot_sample(path, sample),
+            pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
+        )
 
 
 if __name__ == "__main__":

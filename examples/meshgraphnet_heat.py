@@ -221,30 +221,31 @@ def run(argv=None, context: MeshContext | None = None) -> dict:
     context = context or _common.build_context(args)
     if args.batch_size is None:
         args.batch_size = context.ddp_size
-    context, out, log = _common.open_run(args, context, "meshgraphnet-heat", f"{nodes} nodes per mesh")
-    train, test = prepare_data(args, out)
-    (train_pipe, train_graphs), (test_pipe, test_graphs) = make_pipes(args, context, train, test)
-    model, optimizer, scheduler = build_training(args, context)
-    losses = _common.fit(context, model, optimizer, scheduler, train_pipe, make_loss(train_graphs), args, out, log)
-    test_loss, mesh = evaluate(model, test_pipe, test_graphs, context)
-    log.info(f"test loss ({len(test_pipe) * context.ddp_size} meshes): {test_loss:.6g}; graphs built: "
-             f"{train_graphs.builds} for {len(train)} training meshes; ghost nodes per domain rank of the first test "
-             f"mesh: {mesh['ghost_counts']} of {nodes} nodes")
-    partition = None
-    if dist.get_rank() == 0:
-        partition = plot_partition(out / "partition.png", mesh, min(1, context.domain_size - 1))
-        log.info(f"partition plot: {partition}")
-    result = _common.close_run(
-        context, args, out, log, title="MeshGraphNet", losses=losses, test_loss=test_loss,
-        plot_prediction=lambda path: plot_prediction(
-            path, mesh, f"test plate 0, {nodes} nodes, {args.layers} message-passing layers"),
-        pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
-    )
-    if partition is not None:
-        result["files"]["partition"] = partition
-    result["graphs_built"] = train_graphs.builds
-    result["ghost_counts"] = mesh["ghost_counts"]
-    return result
+    with _common.open_run(args, context, "meshgraphnet-heat", f"{nodes} nodes per mesh") as (context, out, log):
+        train, test = prepare_data(args, out)
+        (train_pipe, train_graphs), (test_pipe, test_graphs) = make_pipes(args, context, train, test)
+        model, optimizer, scheduler = build_training(args, context)
+        losses = _common.fit(context, model, optimizer, scheduler, train_pipe, make_loss(train_graphs), args, out, log)
+        test_loss, mesh = evaluate(model, test_pipe, test_graphs, context)
+        log.info(f"test loss ({len(test_pipe) * context.ddp_size} meshes): {test_loss:.6g}; graphs built: "
+                 f"{train_graphs.builds} for {len(train)} training meshes; ghost nodes per domain rank of the first "
+                 f"test mesh: {mesh['ghost_counts']} of {nodes} nodes")
+        partition = None
+        if dist.get_rank() == 0:
+            partition = plot_partition(out / "partition.png", mesh, min(1, context.domain_size - 1))
+            log.info(f"partition plot: {partition}")
+        result = _common.close_run(
+            context, args, out, log, title="MeshGraphNet", losses=losses, test_loss=test_loss,
+            plot_prediction=lambda path: plot_prediction(
+                path, mesh, f"test plate 0, {nodes} nodes, {args.layers} message-passing layers"),
+            pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
+        )
+        if partition is not None:
+            result["files"]["partition"] = partition
+        result["graphs_built"] = train_graphs.builds
+        result["ghost_counts"] = mesh["ghost_counts"]
+        return result
+
 
 if __name__ == "__main__":
     raise SystemExit(_common.main(run))

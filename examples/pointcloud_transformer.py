@@ -194,25 +194,26 @@ def evaluate(model, pipe, context: MeshContext):
 def run(argv=None, context: MeshContext | None = None) -> dict:
     """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
-    context, out, log = _common.open_run(args, context, "pointcloud-transformer", f"{args.points} points per cloud")
-    train, test = prepare_data(args, out)
-    train_pipe, test_pipe = make_pipes(args, context, train, test)
-    model, optimizer, scheduler = build_training(args, context)
-    losses = _common.fit(context, model, optimizer, scheduler, train_pipe, loss_fn, args, out, log)
-    test_loss, cloud = evaluate(model, test_pipe, context)
-    log.info(f"test loss ({len(test_pipe) * context.ddp_size} clouds): {test_loss:.6g} "
-             f"(copying the measurement: {args.noise ** 2:.3g})")
-    return _common.close_run(
-        context, args, out, log, title="point transformer", losses=losses, test_loss=test_loss,
-        plot_prediction=lambda path: _common.plot_points(
-            path, cloud["points"],
-            {"measured (noisy input)": cloud["measured"], "truth: temperature": cloud["truth"],
-             "prediction": cloud["prediction"], "|error|": (cloud["prediction"] - cloud["truth"]).abs()},
-            owner=cloud["owner"], same_scale=("measured (noisy input)", "truth: temperature", "prediction"),
-            title="test cloud 0, points with 0.35 < z < 0.65 (last panel: the rank that held each point)",
-        ),
-        pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
-    )
+    with _common.open_run(args, context, "pointcloud-transformer",
+                          f"{args.points} points per cloud") as (context, out, log):
+        train, test = prepare_data(args, out)
+        train_pipe, test_pipe = make_pipes(args, context, train, test)
+        model, optimizer, scheduler = build_training(args, context)
+        losses = _common.fit(context, model, optimizer, scheduler, train_pipe, loss_fn, args, out, log)
+        test_loss, cloud = evaluate(model, test_pipe, context)
+        log.info(f"test loss ({len(test_pipe) * context.ddp_size} clouds): {test_loss:.6g} "
+                 f"(copying the measurement: {args.noise ** 2:.3g})")
+        return _common.close_run(
+            context, args, out, log, title="point transformer", losses=losses, test_loss=test_loss,
+            plot_prediction=lambda path: _common.plot_points(
+                path, cloud["points"],
+                {"measured (noisy input)": cloud["measured"], "truth: temperature": cloud["truth"],
+                 "prediction": cloud["prediction"], "|error|": (cloud["prediction"] - cloud["truth"]).abs()},
+                owner=cloud["owner"], same_scale=("measured (noisy input)", "truth: temperature", "prediction"),
+                title="test cloud 0, points with 0.35 < z < 0.65 (last panel: the rank that held each point)",
+            ),
+            pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
+        )
 
 
 if __name__ == "__main__":

@@ -200,18 +200,18 @@ def plot_sample(path: Path, sample: dict) -> Path:
 def run(argv=None, context: MeshContext | None = None) -> dict:
     """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
-    context, out, log = _common.open_run(args, context, "unet-darcy", f"grid {args.grid}x{args.grid}")
-    train, test = prepare_data(args, out)
-    train_pipe, test_pipe, normalize = make_pipes(args, context, train, test)
-    model, optimizer, scheduler = build_training(args, context)
-    losses = _common.fit(context, model, optimizer, scheduler, train_pipe, loss_fn, args, out, log)
-    test_loss, sample = evaluate(model, test_pipe, normalize, context)
-    log.info(f"test loss (normalized pressure, {len(test_pipe) * context.ddp_size} samples): {test_loss:.6g}")
-    return _common.close_run(
-        context, args, out, log, title="U-Net on Darcy flow", losses=losses, test_loss=test_loss,
-        plot_prediction=lambda path: plot_sample(path, sample),
-        pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
-    )
+    with _common.open_run(args, context, "unet-darcy", f"grid {args.grid}x{args.grid}") as (context, out, log):
+        train, test = prepare_data(args, out)
+        train_pipe, test_pipe, normalize = make_pipes(args, context, train, test)
+        model, optimizer, scheduler = build_training(args, context)
+        losses = _common.fit(context, model, optimizer, scheduler, train_pipe, loss_fn, args, out, log)
+        test_loss, sample = evaluate(model, test_pipe, normalize, context)
+        log.info(f"test loss (normalized pressure, {len(test_pipe) * context.ddp_size} samples): {test_loss:.6g}")
+        return _common.close_run(
+            context, args, out, log, title="U-Net on Darcy flow", losses=losses, test_loss=test_loss,
+            plot_prediction=lambda path: plot_sample(path, sample),
+            pipes=(train_pipe, test_pipe), model=model, optimizer=optimizer,
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,14 @@ optimizer and scheduler states, and ``extra``); ``rng.rank<r>.json`` (rank
 ``r``'s Python and NumPy RNG states); ``manifest.json`` (format version, step,
 world size, and every other file's size and SHA-256).
 
+Lineage: a checkpoint written with ``lineage=`` (a :class:`Branch`'s) records
+the branches it descends from: ``(branch id, step the branch started from)``,
+root first. :func:`begin_branch` starts a branch from a restored checkpoint
+(or a new lineage) and moves every folder of ``root`` that is not one of its
+ancestors (a later step of a rewound branch, another branch, a folder whose
+manifest cannot be read) into ``root/superseded/<branch id>/``, so ``root``
+holds one line of history and its highest verified step is the newest.
+
 Crash safety: a save writes into a hidden temporary folder, then rank 0 writes
 the manifest and renames the folder to ``step_<n>`` — a rename is atomic, so a
 ``step_<n>`` folder is always complete. A save killed mid-way leaves only a
@@ -44,8 +52,11 @@ import json
 import os
 import pickle
 import random
+import secrets
 import shutil
+import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +81,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "begin_branch",
+    "Branch",
     "Restored",
     "CheckpointError",
     "CheckpointWarning",
@@ -79,6 +92,7 @@ _MANIFEST = "manifest.json"
 _STATE = "state.json"
 _METADATA = ".metadata"
 _PREFIX = "step_"
+_ASIDE = "superseded"  # begin_branch moves the folders that are not on the new branch's lineage here
 _FORMAT = 2  # 1 (no "format" key): sizes only, non-tensor state pickled by DCP
 
 
@@ -103,6 +117,20 @@ class Restored:
     extra: dict
     rng_restored: bool
     verified: bool  # False only for a checkpoint of the older format (sizes, no hashes)
+    lineage: tuple = ()  # ((branch id, step it started from), ...), root first; () when none was recorded
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A branch of checkpoints begun by :func:`begin_branch`: pass ``lineage`` to :func:`save_checkpoint`.
+
+    ``set_aside`` names the folders moved out of the root into ``aside``
+    because they are not ancestors of this branch.
+    """
+
+    lineage: tuple
+    set_aside: tuple = ()
+    aside: Path | None = None
 
 
 # --------------------------------------------------------------------------- #
@@ -528,6 +556,96 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 # --------------------------------------------------------------------------- #
+# Lineage: which checkpoints a branch descends from
+# --------------------------------------------------------------------------- #
+def _as_lineage(value) -> tuple | None:
+    """A manifest's ``lineage`` entry as a tuple of ``(branch id, start step)``; None when malformed."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in value
+    ):
+        return None
+    return tuple((e[0], e[1]) for e in value)
+
+
+def _lineage_of(folder: Path) -> tuple | None:
+    """The lineage recorded in ``folder``'s manifest (() for none recorded), or None if it cannot be read.
+
+    Only the manifest is read (and checked against its own hash): cheap, to
+    sort folders by branch; whether the data is intact is :func:`_check_folder`'s job.
+    """
+    try:
+        manifest = json.loads((folder / _MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    if "format" in manifest and manifest.get("sha256") != _manifest_digest(manifest):
+        return None
+    return _as_lineage(manifest.get("lineage"))
+
+
+def _descends(theirs: tuple, step: int, mine: tuple) -> bool:
+    """Whether the checkpoint of ``step`` on lineage ``theirs`` is an ancestor of (or on) branch ``mine``.
+
+    It is when its branches are the first ones of ``mine`` and, unless it is on
+    ``mine``'s own branch, its step is at most the step the next branch of
+    ``mine`` started from. No lineage recorded (``()``): an ancestor up to the
+    step ``mine``'s first branch started from.
+    """
+    k = len(theirs)
+    if k > len(mine) or tuple(theirs) != tuple(mine[:k]):
+        return False
+    return k == len(mine) or step <= mine[k][1]
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """``root``'s ``step_<n>`` folders, highest step first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p.name) is not None),
+                  key=lambda p: _step_of(p.name), reverse=True)
+
+
+def begin_branch(root: str | os.PathLike, restored: Restored | None = None) -> Branch:
+    """Start a branch of checkpoints under ``root`` from ``restored`` (None: a new lineage); collective.
+
+    The branch gets a new id; its lineage is ``restored``'s plus
+    ``(id, restored.step)``. Every ``step_<n>`` folder of ``root`` that is not
+    an ancestor of the branch — later steps of the branch ``restored`` was
+    taken from (a rewind), another branch, a folder whose manifest cannot be
+    read — is moved, unchanged, into ``root/superseded/<id>/``: nothing is
+    deleted, the new branch's saves never meet a folder of another branch,
+    and ``root``'s newest verified step is this branch's. Returns the
+    :class:`Branch` (the same on every rank).
+    """
+    root = Path(root)
+    parent, start = (restored.lineage, restored.step) if restored is not None else ((), 0)
+
+    def plan():
+        lineage = (*parent, (f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}", int(start)))
+        off = []
+        for folder in _step_folders(root):
+            theirs = _lineage_of(folder)
+            if theirs is None or not _descends(theirs, _step_of(folder.name), lineage):
+                off.append(folder.name)
+        return lineage, sorted(off)
+
+    lineage, off = _broadcast(plan() if _rank() == 0 else None)
+    aside = root / _ASIDE / lineage[-1][0] if off else None
+
+    def move() -> None:
+        if _rank() == 0 and off:
+            aside.mkdir(parents=True, exist_ok=True)
+            for name in off:
+                os.replace(root / name, aside / name)
+
+    _agreed(move)
+    return Branch(lineage=lineage, set_aside=tuple(off), aside=aside)
+
+
+# --------------------------------------------------------------------------- #
 # Save
 # --------------------------------------------------------------------------- #
 def _check_finite(tensors: dict[str, torch.Tensor], folder: Path) -> None:
@@ -572,16 +690,28 @@ def save_checkpoint(
     extra: dict | None = None,
     keep: int = 2,
     check_finite: bool = True,
+    lineage: tuple | None = None,
 ) -> Path:
     """Save a checkpoint of ``step`` under ``root`` (collective: every rank calls it).
 
-    ``extra`` must be the same JSON-able dict on every rank. The ``keep``
-    newest checkpoints (by a size check, not rehashed) are kept. With
+    ``extra`` must be the same JSON-able dict on every rank. With
     ``check_finite`` a NaN or infinity in any floating-point tensor of the model
     or optimizer state on any rank raises :class:`CheckpointError` on every
-    rank before anything is written. Returns the checkpoint folder.
+    rank before anything is written.
+
+    ``lineage`` (a :class:`Branch`'s, from :func:`begin_branch`) is recorded in
+    the manifest; an existing ``step_<n>`` folder of another branch (or one
+    whose manifest cannot be read) is then never overwritten.
+
+    Pruning keeps the ``keep`` newest checkpoints that verify (sizes and
+    SHA-256, the ranks sharing the hashing), this one included, and deletes
+    older ones only once they verify too: a folder that fails is left in
+    place, not counted, and named in a :class:`CheckpointWarning`. With
+    ``lineage``, only checkpoints on it (this branch and its ancestors) are
+    counted or deleted. ``keep <= 0`` keeps everything. Returns the folder.
     """
     root = Path(root)
+    lineage = None if lineage is None else tuple((str(b), int(s)) for b, s in lineage)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp-{_PREFIX}{step:08d}"
 
@@ -599,6 +729,11 @@ def save_checkpoint(
 
     def make_folder() -> None:
         if _rank() == 0:
+            if lineage is not None and final.exists() and _lineage_of(final) != lineage:
+                raise CheckpointError(
+                    f"checkpoint {final} not written: a folder of that name is there and is not this branch's "
+                    "(another branch's, or its manifest cannot be read); it is left as it is: move it away, "
+                    "or start the branch with begin_branch, which sets such folders aside")
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(f".tmp-{_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -634,28 +769,44 @@ def save_checkpoint(
                                       f"{hashes.get(name, ('no',))[0]} were hashed while writing it")
             files[name] = {"size": size, "sha256": hashes[name][1]}
         manifest = {"format": _FORMAT, "step": int(step), "world_size": _world(), "files": files}
+        if lineage is not None:
+            manifest["lineage"] = [list(entry) for entry in lineage]
         manifest["sha256"] = _manifest_digest(manifest)
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        complete = sorted((p for p in root.iterdir() if _step_of(p.name) is not None and _sizes_match(p)),
-                          key=lambda p: _step_of(p.name))
-        for old in complete[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
 
     _agreed(finish)
+    if keep > 0:
+        _prune(root, final, keep, lineage)
     return final
 
 
-def _sizes_match(folder: Path) -> bool:
-    """The cheap completeness test used to count the checkpoints to keep (no hashing)."""
-    try:
-        files = json.loads((folder / _MANIFEST).read_bytes())["files"]
-        sizes = {k: v["size"] if isinstance(v, dict) else v for k, v in files.items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return sizes == _manifest_of(folder)
+def _prune(root: Path, final: Path, keep: int, lineage: tuple | None) -> None:
+    """Keep ``final`` and the ``keep - 1`` newest other verified checkpoints (on ``lineage``); delete older ones.
+
+    Collective. Newest first, each candidate is verified (:func:`_check_folder`,
+    the verdict agreed by the ranks). One that fails is never deleted and never
+    counted: a corrupt checkpoint cannot take the place of a good one, and
+    whatever is wrong with it stays there to be looked at. Folders of other
+    branches are not this branch's to prune.
+    """
+    candidates = _broadcast([(p, _lineage_of(p)) for p in _step_folders(root) if p != final] if _rank() == 0 else None)
+    kept = 1
+    for folder, theirs in candidates:
+        if theirs is not None and lineage is not None and not _descends(theirs, _step_of(folder.name), lineage):
+            continue
+        try:
+            _agreed(lambda: _check_folder(folder))
+        except CheckpointError as err:
+            warnings.warn(f"{err}; left in place and not counted among the {keep} checkpoints kept",
+                          CheckpointWarning, stacklevel=3)
+            continue
+        if kept < keep:
+            kept += 1
+        else:
+            _agreed(lambda: shutil.rmtree(folder, ignore_errors=True) if _rank() == 0 else None)
 
 
 # --------------------------------------------------------------------------- #
@@ -672,6 +823,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler=None,
     restore_rng: bool = True,
+    check_extra: Callable[[Path, dict], None] | None = None,
 ) -> Restored | None:
     """Load a checkpoint folder, or the newest verified one under a root (collective: every rank calls it).
 
@@ -685,6 +837,12 @@ def load_checkpoint(
     replicated state is read by every rank, FSDP2 shards are resharded by DCP.
     RNG states are restored when the world size is the one that saved them
     (each rank gets its own); on another world size they are left alone.
+
+    ``check_extra(folder, extra)``, if given, runs on every rank once the
+    checkpoint verified and before anything is loaded: whatever it raises
+    stops the load on every rank as a :class:`CheckpointError` chained to it,
+    with the model, optimizer and scheduler untouched (e.g. to refuse a
+    checkpoint taken with other settings before a shape mismatch would).
     """
     path = Path(root_or_path)
     if _broadcast(_is_folder(path)):
@@ -693,10 +851,10 @@ def load_checkpoint(
         verified = _newest(path)
         if verified is None:
             return None
-    return _load(verified, model, optimizer, scheduler, restore_rng)
+    return _load(verified, model, optimizer, scheduler, restore_rng, check_extra)
 
 
-def _load(verified: _Verified, model, optimizer, scheduler, restore_rng: bool) -> Restored:
+def _load(verified: _Verified, model, optimizer, scheduler, restore_rng: bool, check_extra) -> Restored:
     path, manifest, hashed = verified.path, verified.manifest, verified.hashed
     if not hashed:
         warnings.warn(f"checkpoint {path} has a manifest of the older format (sizes only): its content is "
@@ -713,6 +871,9 @@ def _load(verified: _Verified, model, optimizer, scheduler, restore_rng: bool) -
             doc = _read_json(path, _STATE)
             if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
                 raise CheckpointError(f"checkpoint {path}: file {_STATE} is malformed (no state)")
+        if check_extra is not None:
+            check_extra(path, doc.get("extra", {}))
+        if hashed:
             missing = [part for part in state if part not in doc["state"]]
             if missing:
                 raise CheckpointError(f"checkpoint {path} holds no {' or '.join(missing)} state")
@@ -760,7 +921,8 @@ def _load(verified: _Verified, model, optimizer, scheduler, restore_rng: bool) -
         raise CheckpointError(f"checkpoint {path}: cannot apply it to the model/optimizer/scheduler: {err}") \
             from err.__cause__
     return Restored(path=path, step=int(manifest["step"]), extra=doc.get("extra", {}),
-                    rng_restored=rng_doc is not None, verified=hashed)
+                    rng_restored=rng_doc is not None, verified=hashed,
+                    lineage=_as_lineage(manifest.get("lineage")) or ())
 
 
 def _set_path(tree, path, value) -> None:

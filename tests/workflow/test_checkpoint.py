@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from physicsnemo_dp.checkpoint import (
     CheckpointError,
     CheckpointWarning,
+    begin_branch,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -112,6 +113,83 @@ def test_keep_limits_the_number_of_checkpoints(ctx):
     for step in range(4):
         save_checkpoint(root, step, model, opt, sched, keep=2)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
+def _flip_a_bit(folder: Path) -> None:
+    """Rank 0 changes one bit of ``folder``'s largest data file (its size stays: only the hash tells)."""
+    if dist.get_rank() == 0:
+        victim = max((p for p in folder.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob("step_*"))
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_pruning_counts_only_verified_checkpoints_and_never_deletes_a_corrupt_one(ctx):
+    root = _shared_dir("prune-verified")
+    model, opt, sched = _setup()
+    save_checkpoint(root, 1, model, opt, sched, keep=2)
+    save_checkpoint(root, 2, model, opt, sched, keep=2)
+    _flip_a_bit(root / "step_00000002")
+    with pytest.warns(CheckpointWarning, match="step_00000002: hash mismatch .*; left in place and not counted"):
+        save_checkpoint(root, 3, model, opt, sched, keep=2)
+    assert _steps(root) == ["step_00000001", "step_00000002", "step_00000003"]  # 1 is the second good one
+    with pytest.warns(CheckpointWarning, match="step_00000002: hash mismatch"):
+        save_checkpoint(root, 4, model, opt, sched, keep=2)
+    assert _steps(root) == ["step_00000002", "step_00000003", "step_00000004"]  # the corrupt one stays
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_a_branch_sets_aside_what_is_not_its_ancestor_and_prunes_only_its_line(ctx):
+    root = _shared_dir("branches")
+    model, opt, sched = _setup()
+    first = begin_branch(root)
+    assert first.set_aside == () and len(first.lineage) == 1 and first.lineage[0][1] == 0
+    for step in (1, 2, 3):
+        save_checkpoint(root, step, model, opt, sched, keep=0, lineage=first.lineage)
+    restored = load_checkpoint(root / "step_00000002", *_setup())
+    assert restored.lineage == first.lineage
+    rewind = begin_branch(root, restored)  # from step 2 while step 3 exists
+    assert rewind.lineage[:1] == first.lineage and rewind.lineage[1][1] == 2
+    assert rewind.set_aside == ("step_00000003",) and rewind.aside == root / "superseded" / rewind.lineage[1][0]
+    assert (rewind.aside / "step_00000003" / "manifest.json").is_file()  # moved whole, not deleted
+    assert latest_checkpoint(root) == root / "step_00000002"
+    # a folder of another line (here: the old branch's step 3 put back under another step) is never pruned,
+    # never counted and never overwritten by this branch
+    if ctx.rank == 0:
+        os.replace(rewind.aside / "step_00000003", root / "step_00000009")
+    dist.barrier()
+    save_checkpoint(root, 3, model, opt, sched, keep=1, lineage=rewind.lineage)
+    assert _steps(root) == ["step_00000003", "step_00000009"]  # its ancestors 1 and 2 pruned, step 9 left
+    with pytest.raises(CheckpointError, match="step_00000009 not written: a folder of that name is there and is "
+                                              "not this branch's"):
+        save_checkpoint(root, 9, model, opt, sched, lineage=rewind.lineage)
+    assert load_checkpoint(root / "step_00000003", *_setup()).lineage == rewind.lineage
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_check_extra_refuses_before_anything_is_loaded(ctx):
+    root = _shared_dir("check-extra")
+    model, opt, sched = _setup()
+    save_checkpoint(root, 1, model, opt, sched, extra={"width": 16})
+    target = _setup()
+    with torch.no_grad():
+        for p in target[0].parameters():
+            p.zero_()
+    before = _weights(target[0])
+
+    def refuse(path, extra):
+        raise ValueError(f"width {extra['width']} is not 8")
+
+    with pytest.raises(CheckpointError, match="ValueError: width 16 is not 8") as raised:
+        load_checkpoint(root, *target, check_extra=refuse)
+    _same_on_every_rank(str(raised.value))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(target[0]), before))
 
 
 def test_load_from_an_empty_folder_returns_none(tmp_path):

@@ -28,6 +28,7 @@ import os
 
 import h5py
 
+from ._identity import resolve_virtual_source
 from .errors import ChecksumError, DataPipeError
 
 __all__ = ["FILTER_OPTIONS", "read_error", "unverified_dxpl"]
@@ -35,16 +36,27 @@ __all__ = ["FILTER_OPTIONS", "read_error", "unverified_dxpl"]
 FILTER_OPTIONS = {"fletcher32": True}  # h5py create_dataset keywords of the checksum filter
 
 
-def has_checksums(dset: h5py.Dataset) -> bool:
+def has_checksums(dset: h5py.Dataset, path: str) -> bool:
+    """Whether ``dset`` (or, for a virtual dataset, a dataset it maps) has Fletcher-32 checksums."""
+    if dset.is_virtual:  # only on an error path: opening the mapped files costs nothing that matters
+        for vmap in dset.virtual_sources():
+            full = resolve_virtual_source(vmap.file_name, path)
+            try:
+                with h5py.File(full, "r") as f:
+                    if vmap.dset_name in f and has_checksums(f[vmap.dset_name], full):
+                        return True
+            except OSError:
+                continue
+        return False
     plist = dset.id.get_create_plist()
     return any(plist.get_filter(i)[0] == h5py.h5z.FILTER_FLETCHER32 for i in range(plist.get_nfilters()))
 
 
-def read_error(err: OSError, dset: h5py.Dataset, where: str) -> DataPipeError:
-    """The error to raise for an HDF5 read that failed: a checksum mismatch says so, naming ``where``."""
+def read_error(err: OSError, dset: h5py.Dataset, path: str, where: str) -> DataPipeError:
+    """The error to raise for an HDF5 read of ``path`` that failed: a checksum mismatch says so, naming ``where``."""
     text = str(err)
     if "filter returned failure" in text or "checksum" in text.lower():
-        if has_checksums(dset):
+        if has_checksums(dset, path):
             return ChecksumError(
                 f"{where}: a chunk read does not match its Fletcher-32 checksum (HDF5: {text}); bytes of the "
                 "file changed after it was written (disk, copy or transfer error): restore the file from a good copy"

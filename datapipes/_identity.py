@@ -35,7 +35,8 @@ import h5py
 
 from .errors import DataPipeError, FileChangedError, MissingDataError
 
-__all__ = ["FileIdentity", "FileWatch", "check_allocated", "dataset_header", "virtual_source_files"]
+__all__ = ["FileIdentity", "FileWatch", "check_allocated", "check_header", "dataset_header", "resolve_virtual_source",
+           "virtual_source_files"]
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,11 @@ def virtual_source_files(dset: h5py.Dataset, path: str) -> list[str]:
     if not dset.is_virtual:
         return []
     out = []
-    base = os.path.dirname(path)
     for vmap in dset.virtual_sources():
         name = vmap.file_name
         if name == ".":
             continue
-        full = name if os.path.isabs(name) else os.path.join(base, name)
-        full = os.path.normpath(full)
+        full = resolve_virtual_source(name, path)
         if full in out:
             continue
         if not os.path.exists(full):
@@ -188,3 +187,10 @@ def virtual_source_files(dset: h5py.Dataset, path: str) -> list[str]:
             ) from None
         out.append(full)
     return out
+
+
+def resolve_virtual_source(name: str, path: str) -> str:
+    """The file a virtual dataset of ``path`` maps as ``name`` (relative names: next to ``path``, as HDF5 looks)."""
+    if name == ".":
+        return path
+    return os.path.normpath(name if os.path.isabs(name) else os.path.join(os.path.dirname(path), name))

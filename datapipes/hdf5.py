@@ -183,7 +183,7 @@ class HDF5Fields(GridSource):
             try:
                 reader.read(box, lead, out)
             except OSError as err:
-                raise _checksums.read_error(err, reader.dset, self.where(index, variable)) from err
+                raise _checksums.read_error(err, reader.dset, self.paths[file_index], self.where(index, variable)) from err
         return out.size * reader.itemsize
 
     def check_files(self, indices) -> None:

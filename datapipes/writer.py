@@ -66,7 +66,8 @@ def write_shards(path, tensors: Mapping[str, ShardTensor], *,
                     local = t.to_local().detach().cpu().numpy()
                     options = {}
                     if checksums and local.ndim and local.size:
-                        options = {"chunks": default_chunks(local.shape, local.dtype.itemsize, leading=0),
+                        leading = 1 if local.ndim > 1 else 0  # (batch, *grid): one sample per chunk
+                        options = {"chunks": default_chunks(local.shape, local.dtype.itemsize, leading=leading),
                                    **FILTER_OPTIONS}
                     f.create_dataset(name, data=local, **options)
                     f[name].attrs["offsets"] = t.spec.local_offsets()

@@ -321,16 +321,18 @@ def _groups(f: h5py.File, path: str, groups) -> list[str]:
 def default_chunks(shape: Sequence[int], itemsize: int, *, leading: int = 1, max_bytes: int = 1 << 20) -> tuple[int, ...]:
     """Chunks for a dataset that must be chunked (checksums) when no decomposition is known.
 
-    One sample per chunk along the ``leading`` sample dims, the grid halved
-    (largest dim first) until a chunk holds at most ``max_bytes``: a rank's
-    box then reads whole chunks of its own sample only. Use
-    :func:`aligned_chunks` when the decomposition is known.
+    One sample per chunk along the ``leading`` sample dims; the grid's first
+    dim is halved until a chunk holds at most ``max_bytes``, then the next
+    one: chunks of whole rows. The pipe splits the leading grid dims by
+    default, so a rank's box then reads whole chunks of its own rows (save
+    at shard boundaries that fall inside a chunk), each one contiguous run of
+    its buffer. Use :func:`aligned_chunks` when the decomposition is known.
     """
-    grid = tuple(shape[leading:])
-    if not grid or 0 in grid:
-        return (*[1] * leading, *[max(1, n) for n in grid])
-    return aligned_chunks(DomainDecomposition(grid, (1,)), itemsize=itemsize, leading=(1,) * leading,
-                          max_bytes=max_bytes)
+    chunk = [1] * leading + [max(1, int(n)) for n in shape[leading:]]
+    for d in range(leading, len(chunk)):
+        while prod(chunk) * itemsize > max_bytes and chunk[d] > 1:
+            chunk[d] = -(-chunk[d] // 2)
+    return tuple(chunk)
 
 
 def _smallest_factor(n: int) -> int:

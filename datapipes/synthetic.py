@@ -193,7 +193,7 @@ def write_hdf5(path, fields: Mapping[str, np.ndarray], *, layout: str = "stacked
     ``checksums`` stores a Fletcher-32 checksum with every chunk, which the
     readers verify (see :mod:`datapipes._checksums`); it needs chunks, so
     without ``chunks`` the datasets get :func:`~datapipes.hdf5.default_chunks`
-    (one sample per chunk, at most 1 MiB). ``checksums=False`` without
+    (whole rows of one sample, at most 1 MiB). ``checksums=False`` without
     ``chunks`` writes contiguous datasets, the fastest to read, unprotected.
     """
     n = _n_samples(fields)

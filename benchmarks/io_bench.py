@@ -73,7 +73,7 @@ def _args(argv=None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=2048, help="grid edge: samples are size x size float32")
     parser.add_argument("--samples", type=int, default=8, help="samples in each file")
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "chunked"],
-                        choices=["contiguous", "chunked", "gzip"])
+                        choices=["contiguous", "chunked", "gzip", "checksummed"])
     parser.add_argument("--epochs", type=int, default=5, help="timed epochs per measurement (the fastest counts)")
     parser.add_argument("--step-ms", type=float, default=None,
                         help="simulated training step per batch (default: the bare read time of a batch, times the ranks per core)")
@@ -88,7 +88,9 @@ def _write_files(args, directory: Path) -> dict[str, Path]:
     fields = heat_equation(args.samples, (args.size, args.size), seed=0)
     dec = DomainDecomposition((args.size, args.size), (args.world_size,))
     chunks = aligned_chunks(dec, itemsize=4)
-    options = {"contiguous": {}, "chunked": {"chunks": chunks}, "gzip": {"chunks": chunks, "compression": "gzip"}}
+    options = {"contiguous": {"checksums": False}, "chunked": {"chunks": chunks, "checksums": False},
+               "gzip": {"chunks": chunks, "compression": "gzip", "checksums": False},
+               "checksummed": {"chunks": chunks}}  # chunked + Fletcher-32 per chunk, verified on read
     return {layout: write_hdf5(directory / f"{layout}.h5", fields, **options[layout])[0] for layout in args.layouts}
 
 

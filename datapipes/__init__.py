@@ -26,7 +26,8 @@ See ``datapipes/README.md`` for concepts, chunking advice and measured figures.
 
 from .agreement import check_all_ranks
 from .decomposition import DomainDecomposition, balanced_sizes
-from .errors import DataPipeError, DecompositionError, InvalidValuesError, MissingDataError
+from .errors import (ChecksumError, DataPipeError, DecompositionError, FileChangedError, InvalidValuesError,
+                     MissingDataError)
 from .hdf5 import HDF5Fields, aligned_chunks
 from .mesh import MeshSource, prepare_mesh
 from .mesh_formats import MeshArrays, read_mesh
@@ -39,10 +40,12 @@ from .xarray_source import XarrayFields
 
 __all__ = [
     "Batch",
+    "ChecksumError",
     "DataPipeError",
     "DecompositionError",
     "DomainDecomposition",
     "DomainPipe",
+    "FileChangedError",
     "GridSource",
     "HDF5Fields",
     "InvalidValuesError",

@@ -8,7 +8,8 @@ caller would catch anyway (``ValueError``, ``FileNotFoundError``), so generic
 
 from __future__ import annotations
 
-__all__ = ["DataPipeError", "MissingDataError", "DecompositionError", "InvalidValuesError"]
+__all__ = ["DataPipeError", "MissingDataError", "DecompositionError", "InvalidValuesError", "FileChangedError",
+           "ChecksumError"]
 
 
 class DataPipeError(ValueError):
@@ -25,3 +26,11 @@ class DecompositionError(DataPipeError):
 
 class InvalidValuesError(DataPipeError):
     """Values that fail validation (NaN or infinity) in data read with ``validate=True``."""
+
+
+class FileChangedError(DataPipeError):
+    """A data file changed while a source was reading it: truncated, replaced, rewritten (see ``_identity``)."""
+
+
+class ChecksumError(DataPipeError):
+    """Bytes of a file that do not match the checksum written with them (see ``_checksums``)."""

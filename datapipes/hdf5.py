@@ -40,12 +40,14 @@ from typing import Sequence
 import h5py
 import numpy as np
 
+from . import _checksums
 from ._files import expand_paths, open_h5
+from ._identity import FileWatch, check_allocated, check_header, dataset_header, virtual_source_files
 from .decomposition import DomainDecomposition
 from .errors import DataPipeError, MissingDataError
 from .source import Box, GridSource
 
-__all__ = ["HDF5Fields", "aligned_chunks"]
+__all__ = ["HDF5Fields", "aligned_chunks", "default_chunks"]
 
 LAYOUTS = ("stacked", "groups", "files")
 
@@ -60,13 +62,24 @@ class HDF5Fields(GridSource):
         groups: with ``layout="groups"``, the sample groups in order (default:
             every top-level group of each file, sorted by name).
         dtype: read every variable as this dtype (default: each dataset's own).
+        verify_checksums: verify the chunks' Fletcher-32 checksums where the
+            file has them (the default; HDF5 does it as it reads a chunk, and
+            a mismatch raises :class:`~datapipes.errors.ChecksumError` naming
+            file, variable and sample). False skips the check (to measure its
+            cost or salvage a damaged file). Files without checksums read alike.
 
     Every file is opened once here to check that the variables exist and share
-    one grid shape; errors name the file, the variable and the shapes.
+    one grid shape; errors name the file, the variable and the shapes. Each
+    file's identity (size, mtime, inode) and each dataset's header are
+    recorded then, and a file that changes afterwards raises
+    :class:`~datapipes.errors.FileChangedError` at the next batch read from it
+    (see :mod:`datapipes._identity`). A dataset whose data was never written
+    (HDF5 would read its fill value) and a virtual dataset mapping a missing
+    file are refused here.
     """
 
     def __init__(self, paths, variables: Sequence[str], *, layout: str = "stacked",
-                 groups: Sequence[str] | None = None, dtype=None):
+                 groups: Sequence[str] | None = None, dtype=None, verify_checksums: bool = True):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if groups is not None and layout != "groups":
@@ -80,6 +93,10 @@ class HDF5Fields(GridSource):
         self._starts: list[int] = [0]  # "stacked": first sample of each file
         self._dtypes = {}
         self.sample_shape = None
+        self.verify_checksums = bool(verify_checksums)
+        self._watch = FileWatch()
+        self._files: list[list[str]] = []  # per file: its path and the files its virtual datasets map
+        self._headers: dict[tuple[int, str], tuple] = {}  # (file index, dataset) -> header at the first open
         for file_index, path in enumerate(self.paths):
             self._scan(file_index, path, groups, dtype)
         if len(self) == 0:
@@ -87,6 +104,8 @@ class HDF5Fields(GridSource):
 
     # ---------------------------------------------------------------- scan
     def _scan(self, file_index: int, path: str, groups, dtype) -> None:
+        self._watch.record(path)
+        self._files.append([path])
         with open_h5(path) as f:
             if self.layout == "stacked":
                 n = None
@@ -99,6 +118,7 @@ class HDF5Fields(GridSource):
                         )
                     n = dset.shape[0]
                     self._note(var, dset, dset.shape[1:], f"{path}:/{var}", dtype)
+                    self._identify(file_index, var, dset, path)
                 self._starts.append(self._starts[-1] + n)
                 return
             prefixes = [""] if self.layout == "files" else _groups(f, path, groups)
@@ -106,6 +126,7 @@ class HDF5Fields(GridSource):
                 for var in self.variables:
                     dset = _dataset(f, path, prefix, var)
                     self._note(var, dset, dset.shape, f"{path}:/{prefix}{var}", dtype)
+                    self._identify(file_index, prefix + var, dset, path)
                 self._samples.append((file_index, prefix))
 
     def _note(self, var: str, dset: h5py.Dataset, shape, where: str, dtype) -> None:
@@ -114,6 +135,15 @@ class HDF5Fields(GridSource):
             self.sample_shape = tuple(shape)
         self._check_shape(shape, f"dataset {where} (shape {dset.shape})")
         self._dtypes.setdefault(var, np.dtype(dtype or dset.dtype))
+
+    def _identify(self, file_index: int, name: str, dset: h5py.Dataset, path: str) -> None:
+        """Record the dataset's header and the files it maps; refuse unwritten storage and missing sources."""
+        check_allocated(dset, f"{path}:/{name}")
+        self._headers[(file_index, name)] = dataset_header(dset)
+        for source in virtual_source_files(dset, path):
+            if source not in self._files[file_index]:
+                self._watch.record(source)
+                self._files[file_index].append(source)
 
     # ------------------------------------------------------------- locate
     def __len__(self) -> int:
@@ -142,13 +172,30 @@ class HDF5Fields(GridSource):
         key = (file_index, prefix + variable)
         if key not in handles:
             path = self.paths[file_index]
-            if path not in handles:
+            if path not in handles:  # (re)opened, e.g. after a fork: the file must still be the one scanned
+                self._watch.check(self._files[file_index], f" (reopening it for {self.where(index, variable)})")
                 handles[path] = open_h5(path)
-            handles[key] = _BoxReader(handles[path][prefix + variable])
+            dset = handles[path][prefix + variable]
+            check_header(dset, self._headers.get(key), self.where(index, variable))
+            handles[key] = _BoxReader(dset, self.verify_checksums)
         reader = handles[key]
         if out.size:
-            reader.read(box, lead, out)
+            try:
+                reader.read(box, lead, out)
+            except OSError as err:
+                raise _checksums.read_error(err, reader.dset, self.paths[file_index], self.where(index, variable)) from err
         return out.size * reader.itemsize
+
+    def check_files(self, indices) -> None:
+        if self.layout == "stacked" and len(self.paths) == 1:
+            self._watch.check(self._files[0], " by the pipe")
+            return
+        seen = set()
+        for index in indices:
+            file_index = self._locate(index)[0]
+            if file_index not in seen:
+                seen.add(file_index)
+                self._watch.check(self._files[file_index], " by the pipe")
 
     def close(self) -> None:
         for handle in self._handles().values():
@@ -175,7 +222,9 @@ class _BoxReader:
     with its checks and errors.
     """
 
-    def __init__(self, dset: h5py.Dataset):
+    def __init__(self, dset: h5py.Dataset, verify_checksums: bool = True):
+        if not verify_checksums:
+            dset._dxpl = _checksums.unverified_dxpl()  # both paths below read with the dataset's dxpl
         self.dset = dset
         self.itemsize = dset.dtype.itemsize
         self._spaces: dict = {}  # (box, out shape) -> (file space, memory space, starts, counts) or None
@@ -267,6 +316,23 @@ def _groups(f: h5py.File, path: str, groups) -> list[str]:
         if missing:
             raise MissingDataError(f"{path}: no sample group(s) {missing}")
     return [f"{name}/" for name in names]
+
+
+def default_chunks(shape: Sequence[int], itemsize: int, *, leading: int = 1, max_bytes: int = 1 << 20) -> tuple[int, ...]:
+    """Chunks for a dataset that must be chunked (checksums) when no decomposition is known.
+
+    One sample per chunk along the ``leading`` sample dims; the grid's first
+    dim is halved until a chunk holds at most ``max_bytes``, then the next
+    one: chunks of whole rows. The pipe splits the leading grid dims by
+    default, so a rank's box then reads whole chunks of its own rows (save
+    at shard boundaries that fall inside a chunk), each one contiguous run of
+    its buffer. Use :func:`aligned_chunks` when the decomposition is known.
+    """
+    chunk = [1] * leading + [max(1, int(n)) for n in shape[leading:]]
+    for d in range(leading, len(chunk)):
+        while prod(chunk) * itemsize > max_bytes and chunk[d] > 1:
+            chunk[d] = -(-chunk[d] // 2)
+    return tuple(chunk)
 
 
 def _smallest_factor(n: int) -> int:

@@ -48,6 +48,7 @@ from . import _point_checks as pc
 from . import _sample_sort as ss
 from ._external_sort import external_sort
 from ._files import atomic_path, expand_paths, open_h5
+from ._identity import FileWatch, check_header, dataset_header
 from .agreement import check_all_ranks
 from .decomposition import DomainDecomposition, balanced_sizes
 from .errors import DataPipeError, DecompositionError, MissingDataError
@@ -669,7 +670,10 @@ class MeshSource(Source):
         self._shapes: dict[str, tuple[int, ...]] = {}  # per variable: shape after the point/cell dim
         self._dtypes: dict[str, np.dtype] = {}
         self._cell_splits: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._watch = FileWatch()  # files changed under a run raise (datapipes._identity)
+        self._headers: dict[tuple[str, str], tuple] = {}
         for path in self.paths:
+            self._watch.record(path)
             with open_h5(path) as f:
                 if f.attrs.get("format") != FORMAT:
                     raise DataPipeError(
@@ -708,6 +712,7 @@ class MeshSource(Source):
             )
         keep = name in (CELLS, CELL_TYPE) or dtype is None
         self._dtypes.setdefault(_variable(name), np.dtype(dset.dtype if keep else dtype))
+        self._headers[(path, name)] = dataset_header(dset)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -764,17 +769,25 @@ class MeshSource(Source):
 
     def read(self, index: int, variable: str, box: Box, out: np.ndarray) -> int:
         handles = self._handles()
-        path = self.paths[index]
-        if path not in handles:
-            handles[path] = open_h5(path)
-        dset = handles[path][self._datasets[variable]]
+        path, name = self.paths[index], self._datasets[variable]
+        if (path, name) not in handles:
+            if path not in handles:  # (re)opened, e.g. after a fork: the file must still be the one scanned
+                self._watch.check([path], f" (reopening it for {self.where(index, variable)})")
+                handles[path] = open_h5(path)
+            handles[(path, name)] = handles[path][name]
+            check_header(handles[(path, name)], self._headers.get((path, name)), self.where(index, variable))
+        dset = handles[(path, name)]
         if out.size:
             dset.read_direct(out, source_sel=box)
         return out.size * dset.dtype.itemsize
 
+    def check_files(self, indices) -> None:
+        self._watch.check(dict.fromkeys(self.paths[i] for i in indices), " by the pipe")
+
     def close(self) -> None:
         for handle in self._handles().values():
-            handle.close()
+            if isinstance(handle, h5py.File):
+                handle.close()
         super().close()
 
     def __repr__(self) -> str:

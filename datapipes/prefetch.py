@@ -65,6 +65,10 @@ def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform]
          rank: str = "") -> int:
     """Read every sample of ``task`` into ``memory``, check and transform it; return bytes read.
 
+    The source's files are checked after the reads (:meth:`Source.check_files`): a file that
+    changed under the run raises :class:`~datapipes.errors.FileChangedError` here, in whichever
+    reader, and the pipe hands it to the consumer like any read error.
+
     ``rank`` names the reading rank in validation errors (e.g. ``"rank 3 (ddp 1, domain 1)"``): the
     error is shared with every rank (:func:`datapipes.check_all_ranks`), so it must say whose slab failed.
     """
@@ -76,6 +80,8 @@ def fill(source: Source, task: ReadTask, memory, transforms: Sequence[Transform]
                 nbytes += source.read(index, name, boxes[name], array[row])
                 if validate:
                     _check_finite(array[row], source, index, name, boxes[name], rank)
+        # after the reads: a file truncated or replaced before or while they ran is seen here
+        source.check_files(task.samples)
     if transforms:
         tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
         for transform in transforms:

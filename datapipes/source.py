@@ -69,6 +69,16 @@ class Source(ABC):
     def where(self, index: int, variable: str) -> str:
         """Where a variable of a sample lives, for error messages (file, dataset, shape)."""
 
+    def check_files(self, indices: Sequence[int]) -> None:
+        """Raise :class:`~datapipes.errors.FileChangedError` if a file of these samples changed.
+
+        The pipe calls it after reading each batch (:func:`datapipes.prefetch.fill`),
+        so a file truncated, replaced or rewritten before or during the reads
+        is reported instead of its zeros or foreign values being returned
+        (see :mod:`datapipes._identity`). Sources that read no files have
+        nothing to check (the default).
+        """
+
     def coords(self, box: Box) -> dict[str, np.ndarray]:
         """Coordinates of the cells in ``box`` (none unless the format stores them)."""
         return {}

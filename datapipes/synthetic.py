@@ -29,7 +29,9 @@ import h5py
 import numpy as np
 import xarray as xr
 
+from ._checksums import FILTER_OPTIONS
 from ._files import atomic_path
+from .hdf5 import default_chunks
 
 __all__ = ["MeshData", "darcy_flow", "heat_equation", "point_cloud", "write_hdf5", "write_mesh_input",
            "write_netcdf", "write_zarr"]
@@ -181,26 +183,41 @@ def _n_samples(fields: Mapping[str, np.ndarray]) -> int:
 
 
 def write_hdf5(path, fields: Mapping[str, np.ndarray], *, layout: str = "stacked",
-               chunks: Sequence[int] | bool | None = None, compression: str | None = None) -> list[Path]:
+               chunks: Sequence[int] | bool | None = None, compression: str | None = None,
+               checksums: bool = True) -> list[Path]:
     """Write ``fields`` (each ``(n_samples, *grid)``) in one of the layouts :class:`~datapipes.HDF5Fields` reads.
 
     ``layout="stacked"`` and ``"groups"`` write one file at ``path``;
     ``"files"`` writes ``path/sample_NNNNN.h5``. ``chunks`` is the HDF5 chunk
     shape of each dataset as written (including the sample dim when stacked).
+    ``checksums`` stores a Fletcher-32 checksum with every chunk, which the
+    readers verify (see :mod:`datapipes._checksums`); it needs chunks, so
+    without ``chunks`` the datasets get :func:`~datapipes.hdf5.default_chunks`
+    (whole rows of one sample, at most 1 MiB). ``checksums=False`` without
+    ``chunks`` writes contiguous datasets, the fastest to read, unprotected.
     """
     n = _n_samples(fields)
-    options = {"chunks": chunks, "compression": compression}
+    leading = 1 if layout == "stacked" else 0
+
+    def create(f, name: str, data: np.ndarray) -> None:
+        options = {"chunks": chunks, "compression": compression}
+        if checksums:
+            options.update(FILTER_OPTIONS)
+            if chunks is None or chunks is True:
+                options["chunks"] = default_chunks(data.shape, data.dtype.itemsize, leading=leading)
+        f.create_dataset(name, data=data, **options)
+
     if layout == "stacked":
         with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
             for name, data in fields.items():
-                f.create_dataset(name, data=data, **options)
+                create(f, name, data)
         return [Path(path)]
     if layout == "groups":
         with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
             for i in range(n):
                 group = f.create_group(f"sample_{i:05d}")
                 for name, data in fields.items():
-                    group.create_dataset(name, data=data[i], **options)
+                    create(group, name, data[i])
         return [Path(path)]
     if layout == "files":
         out = []
@@ -208,7 +225,7 @@ def write_hdf5(path, fields: Mapping[str, np.ndarray], *, layout: str = "stacked
             target = Path(path) / f"sample_{i:05d}.h5"
             with atomic_path(target) as tmp, h5py.File(tmp, "w") as f:
                 for name, data in fields.items():
-                    f.create_dataset(name, data=data[i], **options)
+                    create(f, name, data[i])
             out.append(target)
         return out
     raise ValueError(f"layout must be 'stacked', 'groups' or 'files', got {layout!r}")
@@ -225,11 +242,21 @@ def _dataset(fields: Mapping[str, np.ndarray], dims: Sequence[str] | None) -> xr
     return xr.Dataset({name: (dims, data) for name, data in fields.items()}, coords=coords)
 
 
-def write_netcdf(path, fields: Mapping[str, np.ndarray], *, dims: Sequence[str] | None = None) -> Path:
-    """Write ``fields`` as netCDF-4 with dims ``dims`` (default ``sample, [z,] y, x``) and coordinates."""
+def write_netcdf(path, fields: Mapping[str, np.ndarray], *, dims: Sequence[str] | None = None,
+                 checksums: bool = True) -> Path:
+    """Write ``fields`` as netCDF-4 with dims ``dims`` (default ``sample, [z,] y, x``) and coordinates.
+
+    ``checksums``: chunk the variables (:func:`~datapipes.hdf5.default_chunks`)
+    with netCDF-4's Fletcher-32 filter, which the netCDF library verifies on
+    every read; False writes contiguous variables without checksums.
+    """
     _n_samples(fields)
+    encoding = None
+    if checksums:
+        encoding = {name: {"fletcher32": True, "chunksizes": default_chunks(data.shape, data.dtype.itemsize)}
+                    for name, data in fields.items()}
     with atomic_path(path) as tmp:
-        _dataset(fields, dims).to_netcdf(tmp, engine="netcdf4")
+        _dataset(fields, dims).to_netcdf(tmp, engine="netcdf4", encoding=encoding)
     return Path(path)
 
 

@@ -11,6 +11,15 @@ never the full array.
 The file is opened in each reading process separately, and closed after the
 metadata checks in the constructor, because netCDF handles (HDF5 underneath)
 must not cross a fork.
+
+The file's identity (size, mtime, inode; for a Zarr store, its directory's)
+is recorded in the constructor and checked after every batch and before
+every reopen: a file truncated, replaced or rewritten under the run raises
+:class:`~datapipes.errors.FileChangedError` (see :mod:`datapipes._identity`).
+netCDF-4 variables written with Fletcher-32 checksums
+(:func:`datapipes.synthetic.write_netcdf` does by default) are verified by
+the netCDF library; a read that fails raises
+:class:`~datapipes.errors.DataPipeError` naming file, variable and sample.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import xarray as xr
 
+from ._identity import FileWatch
 from .errors import DataPipeError, MissingDataError
 from .source import Box, GridSource
 
@@ -59,6 +69,9 @@ class XarrayFields(GridSource):
         self._engine = engine or ("zarr" if self.path.endswith(".zarr") or os.path.isdir(self.path) else None)
         self.dims = None if dims is None else tuple(dims)
         self.sample_shape = None
+        self._watch = FileWatch()
+        if os.path.exists(self.path):
+            self._watch.record(self.path)
         ds = self._open()
         try:
             self._inspect(ds, dtype)
@@ -110,7 +123,8 @@ class XarrayFields(GridSource):
 
     def _dataset(self) -> xr.Dataset:
         handles = self._handles()
-        if "ds" not in handles:
+        if "ds" not in handles:  # (re)opened, e.g. after a fork: the file must still be the one inspected
+            self._watch.check([self.path], " (reopening it)")
             handles["ds"] = self._open()
         return handles["ds"]
 
@@ -126,9 +140,19 @@ class XarrayFields(GridSource):
         da = self._dataset()[variable]
         if self.sample_dim is not None:
             da = da.isel({self.sample_dim: index})
-        values = da.transpose(*self.dims).isel(dict(zip(self.dims, box))).values
+        try:
+            values = da.transpose(*self.dims).isel(dict(zip(self.dims, box))).values
+        except (OSError, RuntimeError) as err:  # netCDF: a checksum mismatch or a damaged chunk ("HDF error")
+            raise DataPipeError(
+                f"{self.where(index, variable)}: reading the box {tuple((b.start, b.stop) for b in box)} failed "
+                f"({type(err).__name__}: {err}); the file may be damaged (a chunk that fails its checksum) or "
+                "changed: restore it from a good copy"
+            ) from err
         np.copyto(out, values, casting="unsafe")
         return values.nbytes
+
+    def check_files(self, indices) -> None:
+        self._watch.check([self.path], " by the pipe")
 
     def coords(self, box: Box) -> dict[str, np.ndarray]:
         """Coordinate values of the cells in ``box``, for coordinates over grid dims only."""

@@ -7,6 +7,7 @@ each case and check both, so the page and the code cannot drift apart.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,10 @@ EXPECTED = {
     "dim split twice": ("DecompositionError", "use a 1-D domain mesh of their product size instead"),
     "dim smaller than mesh": ("DecompositionError", "fewer than the"),
     "batch split differently": ("DataPipeError", "needs samples whose variables split alike"),
+    "file changed under a run": ("FileChangedError", "the file changed while it was being read"),
+    "checksum mismatch": ("ChecksumError", "does not match its Fletcher-32 checksum"),
+    "data never written": ("DataPipeError", "never written"),
+    "virtual source missing": ("MissingDataError", "which does not exist"),
     # launcher
     "launch returns ShardTensor": ("RankError", "return x.full_tensor() or x.to_local() from a launched function"),
 }
@@ -168,6 +173,42 @@ def test_decomposition_cases():
     _check("halo wider than shard", lambda: DomainDecomposition((12, 8), 3, halo=2, sizes=[(5, 1, 6)]))
     _check("dim split twice", lambda: DomainDecomposition((10, 8), (2, 2), split_dims=(0, 0)))
     _check("dim smaller than mesh", lambda: DomainDecomposition((2, 8), 3))
+
+
+def test_data_file_cases(tmp_path):
+    import h5py
+    import numpy as np
+
+    from datapipes import HDF5Fields
+    from datapipes.synthetic import write_hdf5
+
+    fields = {"u": np.arange(4 * 8 * 8, dtype=np.float32).reshape(4, 8, 8)}
+    box, out = (slice(0, 8), slice(0, 8)), np.empty((8, 8), np.float32)
+    path = write_hdf5(tmp_path / "a.h5", fields)[0]  # checksummed: chunks of one sample
+    with h5py.File(path) as f:
+        offset = f["u"].id.get_chunk_info_by_coord((2, 0, 0)).byte_offset
+    with open(path, "r+b") as fh:  # one bit of sample 2
+        fh.seek(offset + 5)
+        byte = fh.read(1)[0]
+        fh.seek(offset + 5)
+        fh.write(bytes([byte ^ 1]))
+    source = HDF5Fields(path, ["u"])
+    _check("checksum mismatch", lambda: source.read(2, "u", box, out))
+    os.truncate(path, os.path.getsize(path) // 2)
+    _check("file changed under a run", lambda: source.check_files([0]))
+
+    empty = tmp_path / "empty.h5"
+    with h5py.File(empty, "w") as f:
+        f.create_dataset("u", shape=(4, 8, 8), dtype=np.float32)
+    _check("data never written", lambda: HDF5Fields(empty, ["u"]))
+
+    write_hdf5(tmp_path / "part.h5", fields)
+    with h5py.File(tmp_path / "virtual.h5", "w", libver="latest") as f:
+        layout = h5py.VirtualLayout(shape=(4, 8, 8), dtype=np.float32)
+        layout[:] = h5py.VirtualSource("part.h5", "u", shape=(4, 8, 8))
+        f.create_virtual_dataset("u", layout, fillvalue=np.nan)
+    (tmp_path / "part.h5").unlink()
+    _check("virtual source missing", lambda: HDF5Fields(tmp_path / "virtual.h5", ["u"]))
 
 
 def _return_a_shard_tensor(mesh):

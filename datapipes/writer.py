@@ -15,8 +15,8 @@ remove their part files and raise, leaving no partial result behind.
 
 With Replicate mesh dims, only the replica at coordinate 0 writes.
 
-Part files are chunked with a Fletcher-32 checksum per chunk by default
-(``checksums=False``: contiguous, unprotected): reading the virtual file
+With ``checksums=True`` part files are chunked with a Fletcher-32 checksum
+per chunk (the default writes them contiguous, unprotected): reading the virtual file
 through h5py, :class:`~datapipes.HDF5Fields` or netCDF verifies every chunk
 a read touches (see :mod:`datapipes._checksums`).
 """
@@ -43,7 +43,7 @@ __all__ = ["write_shards"]
 
 
 def write_shards(path, tensors: Mapping[str, ShardTensor], *,
-                 dim_names: Mapping[str, Sequence[str]] | None = None, checksums: bool = True) -> Path:
+                 dim_names: Mapping[str, Sequence[str]] | None = None, checksums: bool = False) -> Path:
     """Write every ShardTensor of ``tensors`` into one virtual HDF5 file at ``path``.
 
     Collective over the tensors' (common) mesh. ``dim_names[var]`` names the

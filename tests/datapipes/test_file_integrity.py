@@ -22,7 +22,7 @@ from datapipes import (ChecksumError, DataPipeError, DomainPipe, FileChangedErro
                        check_all_ranks, write_shards)
 from datapipes._buffers import ArraySpec
 from datapipes.prefetch import ReadTask, fill
-from datapipes.synthetic import write_hdf5
+from datapipes.synthetic import write_hdf5, write_netcdf
 from physicsnemo_dp import ShardTensor
 from tests._harness import distributed
 
@@ -120,7 +120,7 @@ def _read_sample(source, index: int, name: str = "pressure") -> np.ndarray:
 
 
 def test_a_flipped_byte_in_a_checksummed_file_raises_naming_file_variable_and_sample(tmp_path):
-    path = write_hdf5(tmp_path / "data.h5", grid_fields())[0]  # the writer stores checksums by default
+    path = write_hdf5(tmp_path / "data.h5", grid_fields(), checksums=True)[0]
     _flip_byte(path, "pressure", 3)
     source = HDF5Fields(path, VARIABLES)
     for index in (0, 2, 4):  # other samples' chunks verify
@@ -145,7 +145,7 @@ def test_a_file_without_checksums_still_reads_and_a_flipped_byte_goes_unseen(tmp
 
 
 def test_a_flipped_byte_in_a_checksummed_netcdf_file_raises(tmp_path):
-    path = write_grid("netcdf", tmp_path)  # write_netcdf stores Fletcher-32 checksums by default
+    path = write_netcdf(tmp_path / "data.nc", grid_fields(), checksums=True)
     with h5py.File(path, "r") as f:
         assert f["pressure"].fletcher32
     _flip_byte(path, "pressure", 2)
@@ -260,7 +260,7 @@ def test_write_shards_part_files_carry_checksums(ctx, tmp_path):
     full = torch.arange(4 * 16 * 8, dtype=torch.float32).reshape(4, 16, 8)
     local = full.chunk(ctx.world_size, dim=1)[ctx.rank].contiguous()
     st = ShardTensor.from_local(local, ctx.mesh, [torch.distributed.tensor.Shard(1)])
-    path = write_shards(out[0], {"u": st})
+    path = write_shards(out[0], {"u": st}, checksums=True)
     dist.barrier()
     if ctx.rank == 0:
         with h5py.File(path.with_name(f"{path.name}.parts") / "rank00001.h5") as f:

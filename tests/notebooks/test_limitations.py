@@ -184,7 +184,7 @@ def test_data_file_cases(tmp_path):
 
     fields = {"u": np.arange(4 * 8 * 8, dtype=np.float32).reshape(4, 8, 8)}
     box, out = (slice(0, 8), slice(0, 8)), np.empty((8, 8), np.float32)
-    path = write_hdf5(tmp_path / "a.h5", fields)[0]  # checksummed: chunks of one sample
+    path = write_hdf5(tmp_path / "a.h5", fields, checksums=True)[0]  # chunks of one sample
     with h5py.File(path) as f:
         offset = f["u"].id.get_chunk_info_by_coord((2, 0, 0)).byte_offset
     with open(path, "r+b") as fh:  # one bit of sample 2

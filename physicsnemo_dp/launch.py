@@ -36,6 +36,7 @@ torch, so only the first launch pays for the import. POSIX only (forkserver).
 from __future__ import annotations
 
 import io
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -431,7 +432,14 @@ def _collect(procs, conns, timeout, return_all, echo):
             else:
                 failures[r] = _Failure(*rest)
 
-    def look_for_stopped() -> None:
+    next_look = 0.0
+
+    def look_for_stopped(now: float) -> None:
+        """Every ``_POLL`` seconds (output can wake the loop far more often): which running ranks are stopped."""
+        nonlocal next_look
+        if now < next_look:
+            return
+        next_look = now + _POLL
         for r in unaccounted():
             if process_state(procs[r].pid) == "stopped":
                 stopped.setdefault(r, time.time() - _POLL)  # it stopped at most one poll before it was seen
@@ -449,11 +457,11 @@ def _collect(procs, conns, timeout, return_all, echo):
             receive(r)  # for an exit too: whatever the rank sent before it died is in its pipe
             if handle == procs[r].sentinel and r not in results and r not in failures:
                 failures[r] = _Failure(time.time(), _describe_exit(r, procs[r].exitcode, r in started), None)
-        look_for_stopped()
+        look_for_stopped(time.monotonic())
         if failures and grace_end == float("inf"):
             grace_end = time.monotonic() + _GRACE_SECONDS
     timed_out = time.monotonic() >= deadline
-    look_for_stopped()
+    look_for_stopped(math.inf)
     for r, when in stopped.items():
         if r not in failures and r not in results:
             failures[r] = _Failure(when, _describe_stop(r, procs[r].pid, when), None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import itertools
 import json
 import math
@@ -650,7 +651,7 @@ class StepWatchdog:
             states = {"STOPPED (SIGSTOP)": "is stopped (SIGSTOP)", "EXITED": "has exited",
                       "NOT RESPONDING": "is not responding (its heartbeat stopped)"}
             why = "; ".join(f"rank {r} {states[verdicts[r].state]}" for r in culprits)
-            self._end(f"[rank {self.rank}] step {span.step}: {why}. The {what} has lasted {lasted:.0f} s, past the "
+            self._end(span.step, f"[rank {self.rank}] step {span.step}: {why}. The {what} has lasted {lasted:.0f} s, past the "
                       f"watchdog's bound of {span.bound:.3g} s ({self.bounds.describe(span.kind)}); ranks that did "
                       f"not arrive: {culprits}", verdicts, last)
         if self._recheck[0] is not span:
@@ -664,7 +665,7 @@ class StepWatchdog:
         first, last = self._two_looks()
         verdicts = self._verdicts(step, first, last, hard=True)
         culprits = [r for r, v in verdicts.items() if v.culprit]
-        self._end(f"[rank {self.rank}] step {step} did not finish within --timeout {self.timeout:g} s; ranks that did "
+        self._end(step, f"[rank {self.rank}] step {step} did not finish within --timeout {self.timeout:g} s; ranks that did "
                   f"not arrive: {culprits or 'none (every rank is alive and at this step: a collective mismatch?)'}",
                   verdicts, last)
 
@@ -714,14 +715,38 @@ class StepWatchdog:
             lines.append(f"  rank {r}: {verdict.state} ({where})")
         return "\n".join(lines)
 
-    def _end(self, headline: str, verdicts: dict[int, _Verdict], last: dict) -> None:
-        """Print the report, SIGKILL the stopped ranks on this host, exit 1 (never returns)."""
+    def _end(self, step: int, headline: str, verdicts: dict[int, _Verdict], last: dict) -> None:
+        """Report (the first rank of the job to get here), SIGKILL the stopped ranks on this host, exit 1.
+
+        Several ranks can find the stall at once. The first to end the job
+        prints the report; a rank that looked while it was exiting would
+        otherwise blame it ("has exited"), so the ranks agree through an
+        atomic counter in the store: the others say who reports. Every rank
+        still kills the stopped ranks it can see: a reporter on another host
+        cannot. Never returns.
+        """
         if not self._reporter.acquire(blocking=False):  # the other thread is reporting and will exit
             while True:
                 time.sleep(60)
         report = f"{headline}\n{self._table(verdicts, last)}"
-        print(report, file=sys.stderr, flush=True)
-        self._say(report)
+        try:
+            first = self._store.add(f"{self._prefix}ending", 1) == 1
+            if first:
+                self._store.set(f"{self._prefix}report", report)
+        except Exception:  # noqa: BLE001 - the store's host (rank 0 outside torchrun) is gone: the job is ending
+            first = False
+        if first:
+            print(report, file=sys.stderr, flush=True)
+            self._say(report)
+        else:
+            note = f"[rank {self.rank}] step {step}: another rank found the stall first and is ending the job"
+            print(note, file=sys.stderr, flush=True)
+            if self._log is not None and self._log.enabled:  # its report for train.log, which is rank 0's
+                try:
+                    self._store.wait([f"{self._prefix}report"], datetime.timedelta(seconds=5))
+                    self._say(f"{note}:\n{self._store.get(f'{self._prefix}report').decode()}")
+                except Exception:  # noqa: BLE001 - it exited before it could say
+                    self._say(note)
         for r, verdict in verdicts.items():
             if verdict.kill:
                 try:

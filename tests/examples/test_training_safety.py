@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -194,11 +195,19 @@ def _stalled_job(tmp_path, step: int, options: dict) -> tuple[int, str, str, flo
                            start_new_session=True)
     try:
         stdout, stderr = job.communicate(timeout=300)
-    finally:
-        try:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
-            os.killpg(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    finally:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
+        if job.poll() is None:  # torchrun starts each rank in a session of its own: kill the tree, not a group
+            try:
+                torchrun = psutil.Process(job.pid)
+                tree = [torchrun, *torchrun.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                tree = []
+            for process in tree:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            job.wait()
     stopped_at = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("stalling rank")]
     assert job.returncode != 0 and stopped_at, stdout[-3000:] + stderr[-5000:]
     return job.returncode, stdout, stderr, stopped_at[0]

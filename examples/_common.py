@@ -73,8 +73,8 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
                      help="cuda: NCCL and one GPU per rank (LOCAL_RANK); cpu: gloo")
     run.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
                      help="collective timeout of the process group, and the longest a training step (with its "
-                          "checkpoint) may take before the watchdog reports the ranks that did not arrive and "
-                          "ends the job, whatever they are doing")
+                          "data read and checkpoint write) may take before the watchdog reports the ranks that did "
+                          "not arrive and ends the job, whatever they are doing")
     run.add_argument("--stall-floor", type=_seconds, default=STALL_FLOOR, metavar="SECONDS",
                      help=f"the watchdog's adaptive bound, on by default: after the first {STALL_WARMUP} steps "
                           f"(compile, warm-up), a step lasting more than {STALL_FACTOR:g} x the slowest of the last "

@@ -11,6 +11,8 @@ layout), and the figures — lives here once. The minimal examples use only
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import itertools
 import json
 import math
@@ -25,7 +27,7 @@ import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,7 @@ from physicsnemo_dp.checkpoint import (
     save_checkpoint,
 )
 from physicsnemo_dp.distributed import MeshContext, parallelize_model
+from physicsnemo_dp.launch import process_state
 
 __all__ = ["training_parser", "build_context", "check_batch", "prepare_output", "finish", "main", "RunLog", "fit",
            "global_mean", "cosine_schedule", "build_training", "plain_replica", "plot_loss", "plot_fields", "plot_points",
@@ -73,8 +76,15 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
                      help="cuda: NCCL and one GPU per rank (LOCAL_RANK); cpu: gloo")
     run.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
                      help="collective timeout of the process group, and the longest a training step (with its "
-                          "checkpoint) may take before the watchdog reports the ranks that did not arrive and "
-                          "ends the job")
+                          "data read and checkpoint write) may take before the watchdog reports the ranks that did "
+                          "not arrive and ends the job, whatever they are doing")
+    run.add_argument("--stall-floor", type=_seconds, default=STALL_FLOOR, metavar="SECONDS",
+                     help=f"the watchdog's adaptive bound, on by default: after the first {STALL_WARMUP} steps "
+                          f"(compile, warm-up), a step lasting more than {STALL_FACTOR:g} x the slowest of the last "
+                          f"{STALL_RECENT} (a checkpoint write: of the checkpoint writes; data reading not counted), "
+                          "but at least this long and at most --timeout, makes the ranks look at each other: a "
+                          "stopped or dead rank ends the job, naming the rank and the step; a slow rank is waited "
+                          "for up to --timeout. The bound is logged once set")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=_flags.integer(1), default=steps, help="optimizer steps in total (a resumed run continues to it)")
     train.add_argument("--batch-size", type=_flags.integer(1), default=batch_size, help="samples per step, split over the ddp ranks")
@@ -97,10 +107,17 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
     return parser
 
 
+_MAX_SECONDS = 7 * 24 * 3600  # a week: longer is a typo (and inf or 1e300 overflow the process group's timedelta)
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= _MAX_SECONDS:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds, more than 0 and at most {_MAX_SECONDS} (a week), got {text!r}")
     return value
 
 
@@ -480,8 +497,9 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
     (:func:`datapipes.check_all_ranks`, one flag all-reduced per step before
     the forward's first collective); a non-finite global loss
     (``--on-nonfinite``: checked before the optimizer step, so the weights
-    and every checkpoint stay finite); a step that does not finish within
-    ``--timeout`` seconds (:class:`StepWatchdog`).
+    and every checkpoint stay finite); a stopped or dead rank, once a step
+    lasts longer than the watchdog's adaptive bound, and any step that does
+    not finish within ``--timeout`` seconds (:class:`StepWatchdog`).
     """
     root = out / "checkpoints"
     step, losses, skips = 0, [], 0
@@ -501,10 +519,10 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
     newest = None if restored is None else restored.path  # the newest checkpoint of this run's line
     log.start(step, args.steps)
     batches = _endless(pipe)
-    watchdog = StepWatchdog(args.timeout, log)
+    watchdog = StepWatchdog(args.timeout, log, floor=args.stall_floor)
     try:
         while step < args.steps:
-            watchdog.at(step + 1, "reading data")
+            watchdog.at(step + 1, READING)
             try:
                 batch, error = next(batches), None
             except Exception as err:  # only this rank knows: tell the others before they block
@@ -535,7 +553,7 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
             losses.append(value)
             log.step(step, losses[-1], args.batch_size)
             if step % args.checkpoint_every == 0 or step == args.steps:
-                watchdog.at(step, "writing a checkpoint")
+                watchdog.at(step, CHECKPOINTING)
                 extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size],
                          "args": _settings(args)}
                 with warnings.catch_warnings(record=True) as caught:
@@ -559,6 +577,84 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
 
 _RUNS = itertools.count()  # one watchdog key space per fit() in this process (the same count on every rank)
 
+#: The phases of a step that the watchdog's adaptive bound measures apart (the others are the step's computation).
+READING, CHECKPOINTING = "reading data", "writing a checkpoint"
+STALL_FACTOR = 5.0  # the adaptive bound is this many times the slowest recent step (or checkpoint write),
+STALL_WARMUP = 2  # not counting the first steps of a run (compile, warm-up, reader start-up),
+STALL_RECENT = 20  # over this many recent ones,
+STALL_FLOOR = 60.0  # and at least this long (--stall-floor); at most --timeout
+
+
+class _StallBound:
+    """The watchdog's adaptive bound from measured durations: arithmetic only (no clock, no I/O).
+
+    Two kinds of span are measured apart: a step's computation (from taking
+    its batch to its optimizer step; reading the batch is not counted: a
+    slow read is I/O of that rank, and the first reads start the readers) and
+    a checkpoint write (much longer than a step, and rare). The first
+    ``warmup`` steps are not counted (compile, allocator and kernel warm-up).
+    The bound of a kind is ``factor`` times the slowest of its last
+    ``recent`` spans, at least ``floor`` and at most ``timeout``; until a
+    kind has been measured its bound is None and only ``timeout`` applies.
+    """
+
+    def __init__(self, timeout: float, floor: float, factor: float, warmup: int, recent: int):
+        self.timeout, self.floor, self.factor, self.warmup = timeout, floor, factor, warmup
+        self._spans = {"step": collections.deque(maxlen=recent), "checkpoint": collections.deque(maxlen=recent)}
+        self._warmed = 0
+
+    def record(self, kind: str, seconds: float) -> bool:
+        """Count a finished span of ``kind``; True when it gave that kind its first bound."""
+        if kind == "step" and self._warmed < self.warmup:
+            self._warmed += 1
+            return False
+        spans = self._spans[kind]
+        first = not spans
+        spans.append(seconds)
+        return first
+
+    def bound(self, kind: str) -> float | None:
+        spans = self._spans.get(kind)
+        return min(self.timeout, max(self.floor, self.factor * max(spans))) if spans else None
+
+    def describe(self, kind: str) -> str:
+        spans = self._spans[kind]
+        what = "step" if kind == "step" else "checkpoint write"
+        return (f"{self.factor:g} x the slowest of the last {len(spans)} {what}(s), {max(spans):.3g} s; "
+                f"at least --stall-floor {self.floor:g} s, at most --timeout {self.timeout:g} s")
+
+
+class _Span(NamedTuple):
+    """What the training thread is in: ``kind`` ("reading", "step", "checkpoint", "other") of ``step``."""
+
+    kind: str
+    step: int
+    start: float  # time.monotonic()
+    bound: float | None  # the adaptive bound for it (None: only --timeout)
+
+
+class _Verdict(NamedTuple):
+    state: str  # as printed: "STOPPED (SIGSTOP)", "EXITED", "NOT RESPONDING", "did not arrive", "waiting", ...
+    culprit: bool  # ends the job
+    kill: bool = False  # stopped (or not responding under --timeout) on this host: SIGKILL it
+
+
+def _process_space() -> str:
+    """Where a pid names the same process: the host, its boot, and the pid namespace.
+
+    The pid namespace alone is the same on every Linux host; the hostname
+    alone is shared by containers on the host's network, each with its own
+    pids. Where ``/proc`` is absent, the hostname.
+    """
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        pass
+    return "/".join(parts)
+
 
 class StepWatchdog:
     """A daemon thread per rank that ends a job whose step hangs, naming the step and the ranks that did not arrive.
@@ -566,43 +662,72 @@ class StepWatchdog:
     Without it, a rank that stops (SIGSTOP, a deadlock, a hung filesystem)
     leaves the others waiting in a collective until the process group's
     timeout, which then names neither the step nor the rank. The training
-    thread only records where it is (``at(step, phase)``: an attribute
-    assignment, no I/O); the watchdog thread publishes that position with a
+    thread only records where it is (``at(step, phase)``: a few attribute
+    assignments, no I/O); the watchdog thread publishes that position with a
     heartbeat counter to the process group's store every ``poll`` seconds.
-    When this rank's current step has lasted ``timeout`` seconds it reads
-    every rank's position twice, ``3 * poll`` apart: a rank whose heartbeat
-    did not move is not responding (stopped or dead); a rank at an earlier
-    step did not arrive. It prints that report (stderr, and ``train.log``
-    on rank 0), SIGKILLs the non-responding ranks on this host (a stopped
-    process ignores the launcher's SIGTERM, which would keep the job alive for
-    torchrun's 30 s grace), and exits with status 1 so the launcher tears the
-    job down.
+
+    Two bounds. The adaptive one (:class:`_StallBound`, on by default, logged
+    once set): when this rank's step computation or checkpoint write has
+    lasted longer than a few times the slowest recent one (at least
+    ``floor``), the rank reads every rank's position twice, ``3 * poll``
+    apart, and ends the job only if a rank is stopped (process state ``T``)
+    or has exited, or, where its process cannot be seen (another host, no
+    ``/proc``), its heartbeat has not moved for a whole further bound. Those
+    are facts about processes, not judgements of slowness, so the ranks need
+    not agree on the bound: the first rank to look reports and ends the job,
+    and a rank that is merely slow (its process runs) is waited for, with one
+    line in the log. The first steps of a run (compile, warm-up) have no
+    adaptive bound: a rank stopped in them is found by ``--timeout``. Reading
+    a batch is not measured (a slow read is not a stall), but a rank stopped
+    while reading is found by the ranks waiting for it. The hard bound,
+    ``timeout``: a step (with its checkpoint) that lasts that long ends the
+    job whatever the ranks are doing; the ranks that did not arrive are
+    named.
+
+    Ending the job: the report goes to stderr (and ``train.log`` on rank 0);
+    stopped ranks on this host are SIGKILLed (a stopped process ignores the
+    launcher's SIGTERM, which would keep the job alive for torchrun's 30 s
+    grace), and this rank exits with status 1 so the launcher tears the job
+    down.
     """
 
-    def __init__(self, timeout: float, log: RunLog | None = None, poll: float | None = None):
+    def __init__(self, timeout: float, log: RunLog | None = None, poll: float | None = None,
+                 floor: float = STALL_FLOOR):
         self.timeout = float(timeout)
         self.poll = poll if poll is not None else min(1.0, self.timeout / 10)
+        self.bounds = _StallBound(self.timeout, float(floor), STALL_FACTOR, STALL_WARMUP, STALL_RECENT)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._log = log
         self._store = default_store()
         self._prefix = f"pdp_watchdog/{next(_RUNS)}/"
+        self._space = _process_space()
         self._where = (0, "starting")
-        self._started = time.monotonic()  # when the training thread entered step self._where[0]
+        self._started = time.monotonic()  # when the current attempt at step self._where[0] began: --timeout's clock
+        self._span = _Span("other", 0, self._started, None)
+        self._recheck: tuple = (None, math.inf, {})  # (span, when, beats): a slow span is looked at again then
         self._beat = 0
         self._halted = False
         self._wake = threading.Event()  # set by a new step or by stop(): publish now
-        self._reporter = threading.Lock()  # one report per rank, from whichever thread sees the stall first
+        self._reporter = threading.Lock()  # one report per rank, from whichever thread ends the job first
         self._publish()
         self._thread = threading.Thread(target=self._watch, name="pdp-step-watchdog", daemon=True)
         self._thread.start()
 
     def at(self, step: int, phase: str) -> None:
-        """The training thread is now in ``step`` (1-based), doing ``phase``."""
-        new = step != self._where[0]
-        if new:
-            self._started = time.monotonic()
+        """The training thread is now in ``step`` (1-based), doing ``phase`` (READING, CHECKPOINTING or other)."""
+        now = time.monotonic()
+        kind = "reading" if phase == READING else "checkpoint" if phase == CHECKPOINTING else "step"
+        span, new_step = self._span, step != self._where[0]
+        if kind != span.kind or step != span.step:
+            if span.kind in ("step", "checkpoint") and self.bounds.record(span.kind, now - span.start):
+                self._say(f"watchdog: a {'step' if span.kind == 'step' else 'checkpoint write'} lasting over "
+                          f"{self.bounds.bound(span.kind):.3g} s ({self.bounds.describe(span.kind)}) makes the ranks "
+                          "look for a stopped or dead rank, which then ends the job")
+            if kind == "reading":
+                self._started = now
+            self._span = _Span(kind, step, now, self.bounds.bound(kind) if kind != "reading" else None)
         self._where = (step, phase)
-        if new:
+        if new_step:
             self._wake.set()
 
     def failed(self, step: int, error: BaseException) -> None:
@@ -614,7 +739,8 @@ class StepWatchdog:
         """
         if time.monotonic() - self._started >= self.timeout - self.poll:
             self._stall(self._where[0])
-        self.at(step, f"failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        self._span = _Span("other", step, time.monotonic(), None)
+        self._where = (step, f"failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         self._publish()
 
     def stop(self) -> None:
@@ -622,60 +748,166 @@ class StepWatchdog:
         self._wake.set()
         self._thread.join()
 
+    def _say(self, message: str) -> None:
+        if self._log is not None:
+            self._log.info(message)
+
     def _publish(self) -> None:
         self._beat += 1
         step, phase = self._where
         self._store.set(f"{self._prefix}{self.rank}", json.dumps(
-            {"step": step, "phase": phase, "beat": self._beat, "host": socket.gethostname(), "pid": os.getpid()}))
+            {"step": step, "phase": phase, "beat": self._beat, "host": socket.gethostname(), "space": self._space,
+             "pid": os.getpid()}))
 
     def _positions(self) -> dict[int, dict]:
         keys = {r: f"{self._prefix}{r}" for r in range(self.world)}
         return {r: json.loads(self._store.get(k)) for r, k in keys.items() if self._store.check([k])}
 
+    def _two_looks(self) -> tuple[dict, dict]:
+        """Every rank's position, twice, ``3 * poll`` apart; this rank keeps beating meanwhile."""
+        first = self._positions()
+        for _ in range(3):  # keep beating while the other ranks' looks read this one
+            time.sleep(self.poll)
+            self._publish()
+        return first, self._positions()
+
+    def _check_at(self, span: _Span) -> float:
+        if span.bound is None:
+            return math.inf
+        again, when, _ = self._recheck
+        return when if again is span else span.start + span.bound
+
     def _watch(self) -> None:
         while not self._halted:
-            self._wake.wait(max(0.0, min(self.poll, self._started + self.timeout - time.monotonic())))
+            span, now = self._span, time.monotonic()
+            check_at = self._check_at(span)
+            self._wake.wait(max(0.0, min(self.poll, self._started + self.timeout - now, check_at - now)))
             self._wake.clear()
             if self._halted:
                 return
             self._publish()
-            if time.monotonic() - self._started >= self.timeout:
+            now = time.monotonic()
+            if now - self._started >= self.timeout:
                 self._stall(self._where[0])
+            elif span is self._span and now >= check_at:
+                self._look(span)
+
+    def _look(self, span: _Span) -> None:
+        """The adaptive bound passed: end the job if a rank is stopped or dead, else note the slow step once."""
+        first, last = self._two_looks()
+        if self._span is not span:  # this rank moved on: the step was slow, nothing stalled
+            return
+        earlier = self._recheck[2] if self._recheck[0] is span else {}
+        verdicts = self._verdicts(span.step, first, last, hard=False, earlier=earlier)
+        culprits = [r for r, v in verdicts.items() if v.culprit]
+        what = "step" if span.kind == "step" else "checkpoint write"
+        lasted = time.monotonic() - span.start
+        if culprits:
+            states = {"STOPPED (SIGSTOP)": "is stopped (SIGSTOP)", "EXITED": "has exited",
+                      "NOT RESPONDING": "is not responding (its heartbeat stopped)"}
+            why = "; ".join(f"rank {r} {states[verdicts[r].state]}" for r in culprits)
+            self._end(span.step, f"[rank {self.rank}] step {span.step}: {why}. The {what} has lasted {lasted:.0f} s, past the "
+                      f"watchdog's bound of {span.bound:.3g} s ({self.bounds.describe(span.kind)}); ranks that did "
+                      f"not arrive: {culprits}", verdicts, last)
+        if self._recheck[0] is not span:
+            self._say(f"watchdog: step {span.step}'s {what} has lasted {lasted:.0f} s, past its bound of "
+                      f"{span.bound:.3g} s, but no rank is stopped or dead: waiting for them (at most --timeout "
+                      f"{self.timeout:g} s)\n" + self._table(verdicts, last))
+        self._recheck = (span, time.monotonic() + span.bound, {r: p["beat"] for r, p in last.items()})
 
     def _stall(self, step: int) -> None:
-        """Report who did not arrive at ``step``, end the stopped ranks on this host, exit 1 (never returns)."""
+        """``--timeout`` passed: report who did not arrive at ``step`` and end the job (never returns)."""
+        first, last = self._two_looks()
+        verdicts = self._verdicts(step, first, last, hard=True)
+        culprits = [r for r, v in verdicts.items() if v.culprit]
+        self._end(step, f"[rank {self.rank}] step {step} did not finish within --timeout {self.timeout:g} s; ranks that did "
+                  f"not arrive: {culprits or 'none (every rank is alive and at this step: a collective mismatch?)'}",
+                  verdicts, last)
+
+    def _verdicts(self, step: int, first: dict, last: dict, hard: bool, earlier: dict | None = None
+                  ) -> dict[int, _Verdict]:
+        """What each rank is doing, and whether it ends the job (``hard``: under ``--timeout``, any rank behind).
+
+        A rank's process is looked at where it can be (same host, boot and pid
+        namespace; ``/proc``): stopped or exited ends the job. Elsewhere only
+        its heartbeat tells whether it runs, and a heartbeat also stops while
+        C code holds the GIL (a long read): under the adaptive bound such a
+        rank is not responding only if its heartbeat is where it was at the
+        ``earlier`` look, one bound ago.
+        """
+        verdicts = {}
+        for r in range(self.world):
+            p = last.get(r)
+            if r == self.rank:
+                verdicts[r] = _Verdict("waiting", False)
+                continue
+            if p is None:
+                verdicts[r] = _Verdict("NOT RESPONDING", hard)
+                continue
+            frozen = first.get(r, {}).get("beat") == p["beat"]
+            here = p.get("space") == self._space
+            process = process_state(p["pid"]) if here else None
+            if process == "stopped":
+                verdicts[r] = _Verdict("STOPPED (SIGSTOP)", True, kill=True)
+            elif process == "gone":
+                verdicts[r] = _Verdict("EXITED", True)
+            elif frozen and process is None:
+                gone_quiet = hard or (earlier or {}).get(r) == p["beat"]
+                verdicts[r] = _Verdict("NOT RESPONDING" if gone_quiet else "heartbeat stopped (looking again later)",
+                                       gone_quiet, kill=hard and here)
+            elif p["step"] < step:
+                verdicts[r] = _Verdict("did not arrive", hard)
+            else:
+                verdicts[r] = _Verdict("waiting" if not frozen else "alive, heartbeat stopped (C code holding the GIL?)",
+                                       hard and frozen)
+        return verdicts
+
+    def _table(self, verdicts: dict[int, _Verdict], last: dict) -> str:
+        lines = []
+        for r, verdict in verdicts.items():
+            p = last.get(r)
+            where = "never reported" if p is None else f"step {p['step']}, {p['phase']}"
+            lines.append(f"  rank {r}: {verdict.state} ({where})")
+        return "\n".join(lines)
+
+    def _end(self, step: int, headline: str, verdicts: dict[int, _Verdict], last: dict) -> None:
+        """Report (the first rank of the job to get here), SIGKILL the stopped ranks on this host, exit 1.
+
+        Several ranks can find the stall at once. The first to end the job
+        prints the report; a rank that looked while it was exiting would
+        otherwise blame it ("has exited"), so the ranks agree through an
+        atomic counter in the store: the others say who reports. Every rank
+        still kills the stopped ranks it can see: a reporter on another host
+        cannot. Never returns.
+        """
         if not self._reporter.acquire(blocking=False):  # the other thread is reporting and will exit
             while True:
                 time.sleep(60)
-        first = self._positions()
-        for _ in range(3):  # keep beating while the other ranks' reports read this one
-            time.sleep(self.poll)
-            self._publish()
-        last = self._positions()
-        frozen = [r for r in range(self.world)
-                  if r != self.rank and (r not in last or last[r]["beat"] == first.get(r, {}).get("beat"))]
-        behind = [r for r in range(self.world) if r not in frozen and last.get(r, {}).get("step", 0) < step]
-        lines = []
-        for r in range(self.world):
-            p = last.get(r)
-            where = "never reported" if p is None else f"step {p['step']}, {p['phase']}"
-            state = "NOT RESPONDING" if r in frozen else "did not arrive" if r in behind else "waiting"
-            lines.append(f"  rank {r}: {state} ({where})")
-        culprits = frozen + behind
-        report = (f"[rank {self.rank}] step {step} did not finish within --timeout {self.timeout:g} s; ranks that did "
-                  f"not arrive: {culprits or 'none (every rank is alive and at this step: a collective mismatch?)'}\n"
-                  + "\n".join(lines))
-        print(report, file=sys.stderr, flush=True)
-        if self._log is not None:
-            self._log.info(report)
-        live = [r for r in range(self.world) if r not in frozen]
-        if live and live[0] == self.rank:  # one rank ends the stopped ones on its host
-            for r in frozen:
-                if r in last and last[r]["host"] == socket.gethostname():
-                    try:
-                        os.kill(last[r]["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+        report = f"{headline}\n{self._table(verdicts, last)}"
+        try:
+            first = self._store.add(f"{self._prefix}ending", 1) == 1
+            if first:
+                self._store.set(f"{self._prefix}report", report)
+        except Exception:  # noqa: BLE001 - the store's host (rank 0 outside torchrun) is gone: the job is ending
+            first = False
+        if first:
+            print(report, file=sys.stderr, flush=True)
+            self._say(report)
+        else:
+            note = f"[rank {self.rank}] step {step}: another rank found the stall first and is ending the job"
+            print(note, file=sys.stderr, flush=True)
+            if self._log is not None and self._log.enabled:  # its report for train.log, which is rank 0's
+                try:
+                    self._store.wait([f"{self._prefix}report"], datetime.timedelta(seconds=5))
+                    self._say(f"{note}:\n{self._store.get(f'{self._prefix}report').decode()}")
+                except Exception:  # noqa: BLE001 - it exited before it could say
+                    self._say(note)
+        for r, verdict in verdicts.items():
+            if verdict.kill:
+                try:
+                    os.kill(last[r]["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         sys.stdout.flush()
         os._exit(1)
 

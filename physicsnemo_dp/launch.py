@@ -14,13 +14,19 @@ What the launcher guarantees:
   grace period (they may be blocked in a collective the failed rank never
   reached). A global ``timeout`` bounds the whole run.
 * :class:`RankError` names the rank whose failure came first and caused the
-  others: a rank that died (exit code or signal, no exception) or raised an
-  error of its own, not a rank whose collective merely broke because a peer
-  died. Ranks of that second kind are listed as waiting, with their errors.
+  others: a rank that died (exit code or signal, no exception), raised an
+  error of its own, or is stopped (SIGSTOP: the process state, where
+  ``/proc`` shows it), not a rank whose collective merely broke because a
+  peer died, nor one that timed out after another rank had failed or
+  stopped. Ranks of that second kind are listed as waiting, with their
+  errors. Failures are ordered by when they happened: a rank stamps its
+  error with its wall-clock time, the launcher stamps exits and stops when
+  it sees them.
 * No process outlives the call: on return, on an exception, on Ctrl-C, and
   when the calling process itself is killed (even by SIGKILL), every rank and
-  every process a rank started is stopped; the fork server and resource
-  tracker that multiprocessing started then exit on their own.
+  every process a rank started is stopped (a stopped rank is killed at
+  once); the fork server and resource tracker that multiprocessing started
+  then exit on their own.
 
 Functions are shipped with ``cloudpickle`` so that functions defined in a
 notebook cell work; ranks start from a fork server that has already imported
@@ -30,6 +36,7 @@ torch, so only the first launch pays for the import. POSIX only (forkserver).
 from __future__ import annotations
 
 import io
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -42,10 +49,11 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable, NamedTuple, Sequence
 
-__all__ = ["launch", "RankError"]
+__all__ = ["launch", "RankError", "process_state"]
 
 _GRACE_SECONDS = 10.0  # how long ranks still running may take after another rank failed
 _STOP_WAIT = 5.0  # seconds ranks get to end by themselves before the launcher kills them
+_POLL = 1.0  # seconds between looks at the ranks' process states (is one stopped?)
 # Lower-case fragments of the messages of a collective (or the store) that broke because a peer died or gave
 # up (gloo, NCCL, TCPStore): a rank raising one of these was waiting for another rank, not the cause.
 _PEER_FAILURES = (
@@ -53,19 +61,41 @@ _PEER_FAILURES = (
     "connection closed by peer",
     "connection was likely closed",
     "broken pipe",
-    "timed out",
-    "timeout",
     "communicator was aborted",
 )
+# Fragments of a timeout's message. A timeout is waiting on a peer only if another rank failed or stopped first:
+# a rank that times out before anything else went wrong raised an error of its own.
+_TIMEOUTS = ("timed out", "timeout")
 
 
 class RankError(RuntimeError):
-    """A rank raised (or died); the message holds its traceback and what the other ranks did."""
+    """A rank raised, died or stopped; the message holds its traceback (or state) and what the other ranks did."""
 
     def __init__(self, rank: int, detail: str, others: str = "") -> None:
         self.rank = rank
         self.detail = detail
         super().__init__(f"rank {rank} failed:\n{detail}{others}")
+
+
+def process_state(pid: int) -> str | None:
+    """``"stopped"``, ``"gone"``, ``"running"``, or None where the state cannot be read (no ``/proc``).
+
+    ``"stopped"`` is state ``T`` of ``/proc/<pid>/stat``: stopped by a signal
+    (SIGSTOP, SIGTSTP), which no timeout or SIGTERM ends. A process stopped by
+    a debugger (``t``, tracing stop) counts as running: someone is looking at
+    it. ``"gone"``: no such process, or one that exited and was not reaped
+    yet (a zombie). Used by :func:`launch` and by the training examples'
+    watchdog to tell a rank that is stopped or dead from one that is slow.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "gone" if os.path.isdir("/proc/self") else None
+    except OSError:
+        return None
+    state = stat[stat.rindex(b")") + 2:][:1]  # after "pid (comm) "; comm may hold spaces and parentheses
+    return "stopped" if state == b"T" else "gone" if state in (b"Z", b"X", b"x") else "running"
 
 
 def _free_port() -> int:
@@ -150,10 +180,19 @@ def _die_with_launcher(lifeline) -> None:
     threading.Thread(target=watch, name="launch-lifeline", daemon=True).start()
 
 
-def _waiting_on_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that broke because another rank died or gave up."""
+def _waiting_on_a_peer(exc: BaseException) -> str | None:
+    """``"peer"``: a collective that broke because another rank died or gave up; ``"timeout"``: a timeout.
+
+    A timeout may be a collective that waited for a rank that stopped or
+    failed, or an error of the rank's own; the launcher tells them apart by
+    what happened first (see :func:`_culprit`).
+    """
+    if not isinstance(exc, (RuntimeError, TimeoutError)):
+        return None
     message = str(exc).lower()
-    return isinstance(exc, (RuntimeError, TimeoutError)) and any(p in message for p in _PEER_FAILURES)
+    if any(p in message for p in _PEER_FAILURES):
+        return "peer"
+    return "timeout" if isinstance(exc, TimeoutError) or any(t in message for t in _TIMEOUTS) else None
 
 
 def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn, lifeline, timeout_s):
@@ -186,7 +225,7 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn
         joining = False
         outcome = ("result", cloudpickle.dumps(_to_cpu(fn(mesh, *args, **kwargs))))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        outcome = ("error", traceback.format_exc(), _waiting_on_a_peer(exc), joining)
+        outcome = ("error", time.time(), traceback.format_exc(), _waiting_on_a_peer(exc), joining)
     out.flush()  # output first: the launcher may stop this rank as soon as it has the outcome
     err.flush()
     channel.send(outcome)
@@ -234,10 +273,13 @@ def launch(
     once more on a new port.
 
     Raises:
-        RankError: a rank raised or died; ``.rank`` is the rank that failed
-            first, the message carries its traceback (or exit status) and the
-            errors of the ranks that were waiting for it.
-        TimeoutError: the run did not finish within ``timeout``.
+        RankError: a rank raised, died or is stopped (SIGSTOP); ``.rank`` is
+            the rank that failed first, the message carries its traceback
+            (or exit status, or "rank r is stopped (SIGSTOP)") and the errors
+            of the ranks that were waiting for it. A rank still stopped when
+            the run ends is named even when the run ended at ``timeout``.
+        TimeoutError: the run did not finish within ``timeout``, and no rank
+            failed or is stopped.
     """
     import cloudpickle
 
@@ -310,27 +352,36 @@ def _stop(procs, lifeline) -> None:
     Closing the lifeline makes each rank kill its own process group (see
     :func:`_die_with_launcher`); a rank still there after ``_STOP_WAIT`` (its
     watcher thread could not run, or it had not started it yet) is killed from
-    here, with its group.
+    here, with its group. A stopped rank cannot run its watcher: it is killed
+    at once.
     """
     lifeline.close()
+    for p in procs:
+        if p.exitcode is None and process_state(p.pid) == "stopped":
+            _kill(p)
     deadline = time.monotonic() + _STOP_WAIT
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.exitcode is None:
-            for kill in (os.killpg, os.kill):  # os.kill: the rank has not made its group yet
-                try:
-                    kill(p.pid, signal.SIGKILL)
-                    break
-                except ProcessLookupError:
-                    continue
-            p.join()
+            _kill(p)
+
+
+def _kill(p) -> None:
+    """SIGKILL rank process ``p`` with its process group, and reap it."""
+    for kill in (os.killpg, os.kill):  # os.kill: the rank has not made its group yet
+        try:
+            kill(p.pid, signal.SIGKILL)
+            break
+        except ProcessLookupError:
+            continue
+    p.join()
 
 
 class _Failure(NamedTuple):
-    seen: float  # time.monotonic() when the launcher saw the error or the exit
+    when: float  # time.time(): the rank's clock when it raised, or the launcher's when it saw the exit or the stop
     detail: str  # the traceback, or how the process ended
-    waiting: bool  # a collective broken by a peer's failure, not a cause
+    waiting: str | None  # "peer": a collective broken by a peer's failure; "timeout": a timeout; None: its own
     joining: bool = False  # raised while forming the process group, before the function ran
 
 
@@ -340,13 +391,17 @@ def _collect(procs, conns, timeout, return_all, echo):
     Waits on each rank's pipe and on its process at once, so an exit is seen
     as promptly as an error report, and stops as soon as every rank has
     returned, raised or exited; after the first failure, ranks still running
-    get ``_GRACE_SECONDS`` more.
+    get ``_GRACE_SECONDS`` more. Every ``_POLL`` seconds it also reads the
+    running ranks' process states: when a rank is first seen stopped is its
+    time of failure, should the run not finish (a stopped rank may be
+    continued, so it alone does not end the run).
     """
     import cloudpickle
 
     nprocs = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, _Failure] = {}
+    stopped: dict[int, float] = {}  # rank -> time.time() when first seen stopped (and not continued since)
     started: set[int] = set()
     open_conns = set(conns)
     owner = {}
@@ -375,7 +430,21 @@ def _collect(procs, conns, timeout, return_all, echo):
             elif kind == "result":
                 results[r] = cloudpickle.loads(rest[0])
             else:
-                failures[r] = _Failure(time.monotonic(), *rest)
+                failures[r] = _Failure(*rest)
+
+    next_look = 0.0
+
+    def look_for_stopped(now: float) -> None:
+        """Every ``_POLL`` seconds (output can wake the loop far more often): which running ranks are stopped."""
+        nonlocal next_look
+        if now < next_look:
+            return
+        next_look = now + _POLL
+        for r in unaccounted():
+            if process_state(procs[r].pid) == "stopped":
+                stopped.setdefault(r, time.time() - _POLL)  # it stopped at most one poll before it was seen
+            else:
+                stopped.pop(r, None)
 
     while unaccounted():
         now = time.monotonic()
@@ -383,21 +452,32 @@ def _collect(procs, conns, timeout, return_all, echo):
             break
         pending = unaccounted()
         handles = [conns[r] for r in pending if conns[r] in open_conns] + [procs[r].sentinel for r in pending]
-        for handle in wait(handles, min(deadline, grace_end) - now):
+        for handle in wait(handles, min(deadline, grace_end, now + _POLL) - now):
             r = owner[handle]
             receive(r)  # for an exit too: whatever the rank sent before it died is in its pipe
             if handle == procs[r].sentinel and r not in results and r not in failures:
-                failures[r] = _Failure(time.monotonic(), _describe_exit(r, procs[r].exitcode, r in started), False)
-        if failures:
-            grace_end = min(grace_end, min(f.seen for f in failures.values()) + _GRACE_SECONDS)
+                failures[r] = _Failure(time.time(), _describe_exit(r, procs[r].exitcode, r in started), None)
+        look_for_stopped(time.monotonic())
+        if failures and grace_end == float("inf"):
+            grace_end = time.monotonic() + _GRACE_SECONDS
+    timed_out = time.monotonic() >= deadline
+    look_for_stopped(math.inf)
+    for r, when in stopped.items():
+        if r not in failures and r not in results:
+            failures[r] = _Failure(when, _describe_stop(r, procs[r].pid, when), None)
     if failures:
-        error = _rank_error(failures, unaccounted(), timed_out=time.monotonic() >= deadline, timeout=timeout)
+        error = _rank_error(failures, unaccounted(), timed_out=timed_out, timeout=timeout)
         if not results and all(f.joining for f in failures.values()):
             raise _NotJoined(error)
         raise error
     if unaccounted():
         raise TimeoutError(f"ranks {unaccounted()} did not finish within {timeout:.0f} s; all ranks were stopped")
     return [results[r] for r in range(nprocs)] if return_all else results[0]
+
+
+def _describe_stop(rank: int, pid: int, when: float) -> str:
+    return (f"rank {rank} is stopped (SIGSTOP): process {pid} was in state T (stopped by a signal) since "
+            f"{time.strftime('%H:%M:%S', time.localtime(when))} and did not continue; the launcher killed it")
 
 
 def _describe_exit(rank: int, code: int, started: bool) -> str:
@@ -411,18 +491,10 @@ def _describe_exit(rank: int, code: int, started: bool) -> str:
 
 
 def _rank_error(failures: dict[int, _Failure], unfinished: list[int], timed_out: bool, timeout: float) -> RankError:
-    """The error for the earliest root failure, listing the ranks that were waiting for it and the rest.
-
-    A root failure is an exit or an error of a rank's own; an error saying a
-    collective broke because a peer died is a consequence, whenever it happens
-    to reach the launcher (it can arrive before the dead peer's exit is seen).
-    Only if every failure is of that kind (say, all ranks timed out) does the
-    earliest of them count as the root.
-    """
-    roots = [r for r, f in failures.items() if not f.waiting] or list(failures)
-    first = min(roots, key=lambda r: failures[r].seen)
-    waiting = sorted(r for r, f in failures.items() if r != first and f.waiting)
-    others = sorted(r for r, f in failures.items() if r != first and not f.waiting)
+    """The error for the culprit (:func:`_culprit`), listing the ranks that were waiting for it and the rest."""
+    first = _culprit(failures)
+    waiting = sorted(r for r in failures if r != first and _excused(r, failures))
+    others = sorted(r for r in failures if r != first and r not in waiting)
     text = ""
     if waiting:
         verb, errors = ("was", "its error follows") if len(waiting) == 1 else ("were", "their errors follow")
@@ -436,6 +508,35 @@ def _rank_error(failures: dict[int, _Failure], unfinished: list[int], timed_out:
             f"rank {first} never reached — and were stopped)"
         )
     return RankError(first, failures[first].detail, text)
+
+
+def _culprit(failures: dict[int, _Failure]) -> int:
+    """The rank whose failure came first among those that are not a consequence of another's (:func:`_excused`).
+
+    Only if every failure is a consequence (say, every rank timed out at
+    once) does the earliest of them count.
+    """
+    roots = [r for r in failures if not _excused(r, failures)] or list(failures)
+    return min(roots, key=lambda r: (failures[r].when, r))
+
+
+def _excused(rank: int, failures: dict[int, _Failure]) -> bool:
+    """Whether rank ``rank``'s failure was caused by another rank's.
+
+    A collective broken by a peer ("Connection closed by peer", ...) is,
+    whenever any other rank failed: the dead peer's exit can reach the
+    launcher after the broken collective's report. A timeout is only when
+    another rank failed or stopped before it (a rank that times out first
+    raised an error of its own, even if a peer dies later); exits and stops
+    are stamped when the launcher saw them, so they are at most as early as
+    they really were.
+    """
+    mine = failures[rank]
+    if mine.waiting == "peer":
+        return len(failures) > 1
+    if mine.waiting == "timeout":
+        return any(r != rank and f.when < mine.when for r, f in failures.items())
+    return False
 
 
 def _details(failures: dict[int, _Failure], ranks: list[int]) -> str:

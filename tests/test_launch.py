@@ -213,3 +213,72 @@ def test_a_group_that_never_forms_is_reported_after_the_second_try(monkeypatch):
     finally:
         taken.close()
     assert len(tries) == 2
+
+
+def _time_out_on_one_then_die_on_two(mesh):
+    import time as clock
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise TimeoutError("timed out waiting for the sensor")  # its own timeout, not a collective's
+    if dist.get_rank() == 2:
+        clock.sleep(2)
+        os._exit(3)
+    return 0
+
+
+def test_the_rank_that_failed_first_is_named_even_when_its_error_is_a_timeout():
+    # Rank 1 raises a TimeoutError of its own; rank 2 dies 2 s later. A timeout is only "waiting on a peer"
+    # when another rank failed or stopped before it, so rank 1 is the culprit and rank 2 also failed.
+    with pytest.raises(RankError) as info:
+        launch(_time_out_on_one_then_die_on_two, 3, timeout=120, echo=False)
+    message = str(info.value)
+    assert info.value.rank == 1, message
+    assert "timed out waiting for the sensor" in message
+    assert "rank 2 also failed" in message and "rank 2 exited with code 3" in message
+
+
+def _stop_rank_two(mesh):
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))  # ranks 0 and 1 wait here for rank 2
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the process state is read from /proc")
+def test_a_stopped_rank_is_named_and_killed():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_stop_rank_two, 3, timeout=25, echo=False)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert info.value.rank == 2, message
+    assert "rank 2 is stopped (SIGSTOP)" in message
+    pid = int(message.split("rank 2 is stopped (SIGSTOP): process ")[1].split()[0])
+    assert not psutil.pid_exists(pid), f"the stopped rank (process {pid}) outlived launch"
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_process_state_tells_stopped_running_and_gone_processes_apart():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        if launch_module.process_state(os.getpid()) is None:
+            pytest.skip("no /proc: the process state is unknown here")
+        assert launch_module.process_state(child.pid) == "running"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while launch_module.process_state(child.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert launch_module.process_state(child.pid) == "stopped"
+        os.kill(child.pid, signal.SIGCONT)
+        os.kill(child.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        assert launch_module.process_state(child.pid) == "gone"  # a zombie until reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert launch_module.process_state(child.pid) == "gone"

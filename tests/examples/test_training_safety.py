@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -179,30 +180,158 @@ def test_resume_and_timeout_flags():
 # --------------------------------------------------------------------------- #
 # Item 16: a rank that stops is reported (step, rank) and the job ends
 # --------------------------------------------------------------------------- #
-STALL_STEP, STALL_RANK, TIMEOUT = 3, 2, 10
+STALL_RANK, TIMEOUT = 2, 10
 
 
-@pytest.mark.timeout(400)
-def test_a_stopped_rank_ends_the_torchrun_job_naming_the_step_and_the_rank(tmp_path):
+def _stalled_job(tmp_path, step: int, options: dict) -> tuple[int, str, str, float]:
+    """3 ranks of unet_darcy under torchrun; rank 2 SIGSTOPs itself in ``step``: (status, stdout, stderr, when)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(EXAMPLES), env.get("PYTHONPATH")]))
-    flags = argv({**TINY, "--steps": 6, "--checkpoint-every": 100, "--batch-size": 3, "--test-samples": 3,
-                  "--timeout": TIMEOUT}, tmp_path)
+    flags = argv({**TINY, "--checkpoint-every": 100, "--batch-size": 3, "--test-samples": 3, **options}, tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-               str(Path(__file__).with_name("_stall.py")), str(STALL_STEP), str(STALL_RANK), *flags]
+               str(Path(__file__).with_name("_stall.py")), str(step), str(STALL_RANK), *flags]
     job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
         stdout, stderr = job.communicate(timeout=300)
-    finally:
-        try:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
-            os.killpg(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    finally:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
+        if job.poll() is None:  # torchrun starts each rank in a session of its own: kill the tree, not a group
+            try:
+                torchrun = psutil.Process(job.pid)
+                tree = [torchrun, *torchrun.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                tree = []
+            for process in tree:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            job.wait()
     stopped_at = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("stalling rank")]
     assert job.returncode != 0 and stopped_at, stdout[-3000:] + stderr[-5000:]
-    assert f"step {STALL_STEP} did not finish within --timeout {TIMEOUT:g} s; ranks that did not arrive: [{STALL_RANK}]" \
+    return job.returncode, stdout, stderr, stopped_at[0]
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_rank_ends_the_torchrun_job_naming_the_step_and_the_rank(tmp_path):
+    # Step 3 is the first step measured (steps 1 and 2 are warm-up): no adaptive bound yet, --timeout ends it.
+    _, _, stderr, stopped_at = _stalled_job(tmp_path, 3, {"--steps": 6, "--timeout": TIMEOUT})
+    assert f"step 3 did not finish within --timeout {TIMEOUT:g} s; ranks that did not arrive: [{STALL_RANK}]" \
         in stderr, stderr[-5000:]
-    assert f"rank {STALL_RANK}: NOT RESPONDING" in stderr and "rank 0: waiting (step 3" in stderr
-    assert time.time() - stopped_at[0] < TIMEOUT + 25, "the job did not end soon after the timeout"
+    assert f"rank {STALL_RANK}: STOPPED (SIGSTOP)" in stderr and "rank 0: waiting (step 3" in stderr
+    assert time.time() - stopped_at < TIMEOUT + 25, "the job did not end soon after the timeout"
+
+
+@pytest.mark.timeout(400)
+def test_the_default_watchdog_ends_a_job_with_a_stopped_rank_within_its_adaptive_bound(tmp_path):
+    # No --timeout (600 s): the adaptive bound (5 x the slowest of steps 3 and 4, at least --stall-floor 5 s)
+    # ends the job. Before it, the job hung silently until --timeout.
+    _, stdout, stderr, stopped_at = _stalled_job(tmp_path, 5, {"--steps": 8, "--stall-floor": 5})
+    ended = time.time() - stopped_at
+    assert f"step 5: rank {STALL_RANK} is stopped (SIGSTOP). The step has lasted" in stderr, stderr[-5000:]
+    assert f"ranks that did not arrive: [{STALL_RANK}]" in stderr
+    assert "at least --stall-floor 5 s, at most --timeout 600 s" in stderr
+    assert f"rank {STALL_RANK}: STOPPED (SIGSTOP)" in stderr
+    assert "watchdog: a step lasting over" in stdout  # the bound, logged once set
+    assert ended < 90, f"the job ended {ended:.0f} s after the stop"
+
+
+def run_with_a_slow_rank(ctx, out: str, options: dict, step: int, seconds: float) -> str:
+    """Rank body: global rank 1 sleeps ``seconds`` in ``step``'s forward, past the watchdog's bound; the log."""
+    calls = [0]
+    original = unet_darcy.loss_fn
+
+    def slow(model, batch):
+        calls[0] += 1
+        if calls[0] == step and dist.get_rank() == 1:
+            time.sleep(seconds)
+        return original(model, batch)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(unet_darcy, "loss_fn", slow)
+        patch.setattr(_common, "STALL_FACTOR", 1.0)  # a bound of 1 s (the floor) at these step times
+        result = unet_darcy.run(argv(options, out), context(ctx, "ddp"))
+    assert len(result["losses"]) == options["--steps"]
+    return (Path(out) / "train.log").read_text() if ctx.rank == 0 else ""
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_rank_is_waited_for_not_killed(tmp_path):
+    options = {**TINY, "--steps": 5, "--checkpoint-every": 100, "--stall-floor": 1}
+    log = on_layout(__name__, "run_with_a_slow_rank", (2, 1), out=tmp_path, options=options, step=4, seconds=8)
+    assert "watchdog: a step lasting over" in log, log
+    assert "watchdog: step 4's step has lasted" in log and "but no rank is stopped or dead: waiting" in log, log
+    assert "final loss" in log
+
+
+def test_the_adaptive_bound_leaves_out_warm_up_and_measures_checkpoints_apart():
+    bound = _common._StallBound(timeout=600, floor=5, factor=5, warmup=2, recent=3)
+    assert bound.bound("step") is None and bound.bound("checkpoint") is None  # only --timeout, until measured
+    assert not bound.record("step", 100.0) and not bound.record("step", 50.0)  # compile, warm-up: not counted
+    assert bound.bound("step") is None
+    assert bound.record("step", 0.5)  # the first measured step sets the bound
+    assert bound.bound("step") == 5  # the floor: 5 x 0.5 s is less
+    assert not bound.record("step", 2.0)
+    assert bound.bound("step") == 10
+    assert bound.bound("checkpoint") is None  # a step's time says nothing of a checkpoint write
+    assert bound.record("checkpoint", 30.0)
+    assert bound.bound("checkpoint") == 150 and bound.bound("step") == 10
+    for _ in range(3):  # only the last `recent` steps count
+        bound.record("step", 0.1)
+    assert bound.bound("step") == 5
+    bound.record("checkpoint", 500.0)
+    assert bound.bound("checkpoint") == 600  # never above --timeout
+    assert "5 x the slowest of the last 3 step(s)" in bound.describe("step")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e300", "-1", "0", "ten"])
+def test_timeout_refuses_what_is_not_a_finite_number_of_seconds(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        unet_darcy.parse_args(["--timeout", value])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument --timeout: must be a finite number of seconds, more than 0 and at most 604800 (a week), " \
+        f"got '{value}'" in error, error
+    assert unet_darcy.parse_args(["--timeout", "604800"]).timeout == 604800
+    assert unet_darcy.parse_args([]).stall_floor == _common.STALL_FLOOR == 60
+
+
+def test_the_watchdog_ends_the_job_for_stopped_or_dead_ranks_only(tmp_path):
+    """The verdicts behind the adaptive bound: facts about processes, never slowness (no process group needed)."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("the process state is read from /proc")
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _common.process_state(stopped.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watchdog = object.__new__(_common.StepWatchdog)
+        watchdog.rank, watchdog.world, watchdog._space = 0, 6, _common._process_space()
+        here, there = watchdog._space, "another host"
+
+        def at(step, beat, pid=os.getpid(), space=here):
+            return {"step": step, "phase": "forward and backward", "beat": beat, "pid": pid, "space": space}
+
+        first = {0: at(5, 1), 1: at(5, 1, stopped.pid), 2: at(5, 1, dead.pid), 3: at(5, 1), 4: at(5, 7, space=there),
+                 5: at(4, 3, space=there)}
+        last = {**first, 0: at(5, 4), 5: at(4, 4, space=there)}  # rank 3: alive here, heartbeat still
+        verdicts = watchdog._verdicts(5, first, last, hard=False, earlier={})
+        assert {r: (v.state, v.culprit, v.kill) for r, v in verdicts.items()} == {
+            0: ("waiting", False, False),
+            1: ("STOPPED (SIGSTOP)", True, True),  # killed: a stopped process ignores the launcher's SIGTERM
+            2: ("EXITED", True, False),
+            3: ("alive, heartbeat stopped (C code holding the GIL?)", False, False),  # slow, not stopped
+            4: ("heartbeat stopped (looking again later)", False, False),  # another host: not yet
+            5: ("did not arrive", False, False),  # behind, but its heartbeat moves
+        }
+        again = watchdog._verdicts(5, first, last, hard=False, earlier={4: 7})
+        assert (again[4].state, again[4].culprit, again[4].kill) == ("NOT RESPONDING", True, False)  # a bound later
+        hard = watchdog._verdicts(5, first, last, hard=True)  # --timeout: whoever did not arrive
+        assert [r for r, v in hard.items() if v.culprit] == [1, 2, 3, 4, 5]
+    finally:
+        stopped.kill()
+        stopped.wait()

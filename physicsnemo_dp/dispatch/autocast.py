@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
-from .._torch_compat import disabled_torch_function, make_wrapper_subclass, pytree
+from .._torch_compat import disabled_torch_function, dispatch_mode_active, make_wrapper_subclass, pytree
 from ..rule_kit import meta_output, shard_tensor_cls
 
 __all__ = ["autocast_call"]
@@ -48,7 +49,9 @@ def autocast_call(func, args, kwargs):
         if isinstance(a, st_cls):
             device_type = a._local_tensor.device.type
             break
-    if device_type is None or not torch.is_autocast_enabled(device_type):
+    if device_type is None or not torch.is_autocast_enabled(device_type) or dispatch_mode_active():
+        # Under a dispatch mode (torch.compile's tracing, FakeTensorMode) the probes would meet the mode:
+        # the handler runs as it does without this hook.
         return args, kwargs, contextlib.nullcontext()
     target = _compute_dtype(func, args, kwargs, device_type)
     if target is _NO_CHANGE:
@@ -120,7 +123,9 @@ def _policy(func, tree, key, device_type, autocast_dtype):
         return _NO_CHANGE
     try:
         margs, mkwargs = _unflatten(tree, key, lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta"))
-        without = _first_floating_dtype(meta_output(func, margs, mkwargs))
+        with warnings.catch_warnings():  # e.g. "ComplexHalf support is experimental" for a float16 FFT
+            warnings.simplefilter("ignore")
+            without = _first_floating_dtype(meta_output(func, margs, mkwargs))
     except Exception:  # noqa: BLE001 - e.g. a kernel without a low-precision variant: autocast is what makes it run
         without = None
     if with_autocast == without:
@@ -137,7 +142,9 @@ def _probe_dtype(func, tree, key, device_type):
     """Real dtype of ``func``'s first floating output on probes of ``key`` under the current autocast."""
     margs, mkwargs = _unflatten(tree, key, lambda a: _Probe.of(torch.empty(a.shape, dtype=a.dtype, device="meta"), a.device))
     try:
-        return _first_floating_dtype(func(*margs, **mkwargs))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _first_floating_dtype(func(*margs, **mkwargs))
     except Exception:  # noqa: BLE001 - any failure means: no policy to apply
         return None
 

@@ -171,6 +171,7 @@ def test_float32_families(ctx, low):
 def test_windows_and_pointwise(ctx, low):
     """Pooling, interpolation and padding of a low-precision activation; pointwise ops between mixed dtypes."""
     x, w, y = _g((2, 3, 12, 10), 0), _g((4, 3, 3, 3), 1), _g((2, 4, 12, 10), 2)
+    x3, w3 = _g((1, 2, 6, 7, 4), 3), _g((3, 2, 3, 3, 3), 4)
 
     def conv(x, w):
         return F.conv2d(x, w, padding=1)
@@ -181,7 +182,9 @@ def test_windows_and_pointwise(ctx, low):
         ("adaptive_avg_pool2d", lambda x, w: F.adaptive_avg_pool2d(conv(x, w), (5, 4)), [(x, 2), (w, None)]),
         ("interpolate bilinear", lambda x, w: F.interpolate(conv(x, w), scale_factor=2, mode="bilinear"), [(x, (2, 3)), (w, None)]),
         ("interpolate nearest", lambda x, w: F.interpolate(conv(x, w), size=(7, 15)), [(x, 2), (w, None)]),
-        ("pad reflect", lambda x, w: F.pad(conv(x, w), (1, 2, 2, 1), mode="reflect"), [(x, (2, 3)), (w, None)]),
+        ("pad reflect (float32 on CPU)", lambda x, w: F.pad(conv(x, w), (1, 2, 2, 1), mode="reflect"), [(x, (2, 3)), (w, None)]),
+        ("avg_pool3d (float32 on CPU)", lambda x, w: F.avg_pool3d(F.conv3d(x, w, padding=1), 2), [(x3, (2, 3)), (w3, None)]),
+        ("cat low, float32 (promote)", lambda x, w, y: torch.cat([conv(x, w), y], dim=1), [(x, (2, 3)), (w, None), (y, (2, 3))]),
         ("low + float32", lambda x, w, y: conv(x, w) + y, [(x, (2, 3)), (w, None), (y, (2, 3))]),
         ("low * float32 plain", lambda x, w, y: conv(x, w) * y[0], [(x, 2), (w, None), (y, None)]),
         ("low gelu, sum", lambda x, w: F.gelu(conv(x, w)).sum(dim=(2, 3)), [(x, (2, 3)), (w, None)]),

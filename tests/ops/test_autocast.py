@@ -191,3 +191,34 @@ def test_windows_and_pointwise(ctx, low):
     ]
     for label, fn, inputs in cases:
         _run(ctx, low, fn, inputs, label=label)
+
+
+@pytest.mark.parametrize("poison", [False, True])
+@distributed(world_sizes=(3,), mesh_2d=False)
+def test_grad_scaler_skips_the_step_on_every_rank(ctx, poison):
+    """``torch.amp.GradScaler`` with a sharded float16 forward: an inf/NaN in one rank's shard skips every rank's step.
+
+    The parameters are plain (promoted): their gradients are summed over the mesh before
+    the scaler reads them, so every rank finds the same non-finite gradient and skips alike.
+    """
+    device = torch.device(ctx.device).type
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    before = [p.detach().clone() for p in conv.parameters()]
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
+    g = _g((2, 3, 12, 10), 0)
+    x = _sharded(ctx.mesh, g, 2, salt=1).detach()
+    if poison and ctx.rank == 1:
+        assert x._local_tensor.numel() > 0
+        x._local_tensor[0, 0, 0, 0] = float("inf")  # only this rank's shard holds it
+    with torch.autocast(device, dtype=torch.float16):
+        out = conv(x)
+        assert out.dtype == torch.float16
+        loss = out.float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    changed = [not torch.equal(p.detach(), b) for p, b in zip(conv.parameters(), before)]
+    assert changed == [not poison] * 2, f"rank {ctx.rank}: parameters changed {changed}"
+    assert scaler.get_scale() == (2.0**7 if poison else 2.0**8)

@@ -187,6 +187,7 @@ def test_windows_and_pointwise(ctx, low):
         ("cat low, float32 (promote)", lambda x, w, y: torch.cat([conv(x, w), y], dim=1), [(x, (2, 3)), (w, None), (y, (2, 3))]),
         ("low + float32", lambda x, w, y: conv(x, w) + y, [(x, (2, 3)), (w, None), (y, (2, 3))]),
         ("low * float32 plain", lambda x, w, y: conv(x, w) * y[0], [(x, 2), (w, None), (y, None)]),
+        ("slice of low", lambda x, w: conv(x, w)[:, 1:3, 2:9], [(x, (2, 3)), (w, None)]),
         ("low gelu, sum", lambda x, w: F.gelu(conv(x, w)).sum(dim=(2, 3)), [(x, (2, 3)), (w, None)]),
     ]
     for label, fn, inputs in cases:

@@ -171,7 +171,9 @@ def _rebuild(tree, key, make):
 
 def _probe_dtype(func, tree, key, device_type):
     """Real dtype of ``func``'s first floating output on probes of ``key`` under the current autocast."""
-    margs, mkwargs = _rebuild(tree, key, lambda a: _Probe.of(torch.empty(a.shape, dtype=a.dtype, device="meta"), a.device))
+    margs, mkwargs = _rebuild(
+        tree, key, lambda a: _Probe.of(torch.empty(a.shape, dtype=a.dtype, device="meta"), a.device)
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -198,7 +200,10 @@ class _Probe(torch.Tensor):
 
     @staticmethod
     def of(meta: torch.Tensor, device_type: str):
-        probe = make_wrapper_subclass(_Probe, meta.shape, dtype=meta.dtype, device=torch.device(device_type), requires_grad=False, stride=meta.stride())
+        probe = make_wrapper_subclass(
+            _Probe, meta.shape, dtype=meta.dtype, device=torch.device(device_type), requires_grad=False,
+            stride=meta.stride(),
+        )
         probe._meta = meta
         return probe
 
@@ -219,4 +224,6 @@ class _Probe(torch.Tensor):
 
         margs, mkwargs = pytree.tree_map(unwrap, (args, kwargs or {}))
         out = func(*margs, **mkwargs)
-        return pytree.tree_map(lambda t: _Probe.of(t, device) if isinstance(t, torch.Tensor) and t.device.type == "meta" else t, out)
+        return pytree.tree_map(
+            lambda t: _Probe.of(t, device) if isinstance(t, torch.Tensor) and t.device.type == "meta" else t, out
+        )

@@ -136,6 +136,12 @@ def test_attention(ctx, low):
     ]
     for label, fn, inputs in cases:
         _run(ctx, low, fn, inputs, label=label)
+    torch.manual_seed(0)
+    x = _g((2, 10, 16), 3)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)  # the fused kernels through the dispatcher
+    _run(ctx, low, lambda m, x: m(x, x, x, need_weights=False)[0], [(x, 1)], module=mha, label="MultiheadAttention")
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    _run(ctx, low, lambda m, x: m(x), [(x, 1)], module=layer, label="TransformerEncoderLayer")
 
 
 @pytest.mark.parametrize("low", LOW, ids=str)

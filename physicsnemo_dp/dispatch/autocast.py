@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from .._torch_compat import disabled_torch_function, dispatch_mode_active, make_wrapper_subclass, pytree
+from .._torch_compat import disabled_torch_function, make_wrapper_subclass, pytree, real_tensors
 from ..rule_kit import meta_output, shard_tensor_cls
 
 __all__ = ["autocast_call"]
@@ -46,11 +46,10 @@ def autocast_call(func, args, kwargs):
     leaves, tree = _flatten(args, kwargs)
     st_cls = shard_tensor_cls()
     device_type = next((a._local_tensor.device.type for a in leaves if isinstance(a, st_cls)), None)
-    if device_type is None or not torch.is_autocast_enabled(device_type) or dispatch_mode_active():
-        # Under a dispatch mode (torch.compile's tracing, FakeTensorMode) the probes would meet the mode:
-        # the handler runs as it does without this hook.
+    if device_type is None or not torch.is_autocast_enabled(device_type):
         return args, kwargs, contextlib.nullcontext()
-    target = _compute_dtype(func, tree, leaves, device_type)
+    with real_tensors():  # while torch.compile traces too: the probes are metadata, never graph nodes
+        target = _compute_dtype(func, tree, leaves, device_type)
     if target is _NO_CHANGE:
         return args, kwargs, contextlib.nullcontext()
     with torch.autocast(device_type, enabled=False):  # the casts themselves must not meet this hook again
@@ -171,10 +170,10 @@ def _rebuild(tree, key, make):
 
 def _probe_dtype(func, tree, key, device_type):
     """Real dtype of ``func``'s first floating output on probes of ``key`` under the current autocast."""
-    margs, mkwargs = _rebuild(
-        tree, key, lambda a: _Probe.of(torch.empty(a.shape, dtype=a.dtype, device="meta"), a.device)
-    )
     try:
+        margs, mkwargs = _rebuild(
+            tree, key, lambda a: _Probe.of(torch.empty(a.shape, dtype=a.dtype, device="meta"), a.device)
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return _first_floating_dtype(func(*margs, **mkwargs))

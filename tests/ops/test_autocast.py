@@ -49,11 +49,13 @@ def _close(actual, expected, what, low):
     assert diff <= atol, f"{what}: max abs diff {diff:.3e} > {atol:.3e} (scale {scale:.3e})"
 
 
-def _run(ctx, low, fn, inputs, module=None, label=""):
+def _run(ctx, low, fn, inputs, module=None, label="", sharded_fn=None):
     """Compare ``fn(*inputs)`` (or ``fn(module, *inputs)``) under autocast with one process.
 
     ``inputs``: ``(global float32 tensor, dims)`` pairs; ``dims`` None keeps it plain (promoted).
+    ``sharded_fn`` (default ``fn``) is what runs on the ShardTensors.
     """
+    sharded_fn = sharded_fn or fn
     device = ctx.device.type if hasattr(ctx.device, "type") else torch.device(ctx.device).type
     ref_module = None
     if module is not None:
@@ -67,7 +69,7 @@ def _run(ctx, low, fn, inputs, module=None, label=""):
     ]
     with torch.autocast(device, dtype=low):
         expected = fn(ref_module, *refs) if module is not None else fn(*refs)
-        out = fn(module, *shards) if module is not None else fn(*shards)
+        out = sharded_fn(module, *shards) if module is not None else sharded_fn(*shards)
     assert isinstance(out, ShardTensor), f"{label}: output is {type(out).__name__}"
     _close(*_comparable(out, expected), f"{label} output", low)
     cot = _g(expected.shape, 99).to(expected.dtype)
@@ -229,3 +231,18 @@ def test_grad_scaler_skips_the_step_on_every_rank(ctx, poison):
     changed = [not torch.equal(p.detach(), b) for p, b in zip(conv.parameters(), before)]
     assert changed == [not poison] * 2, f"rank {ctx.rank}: parameters changed {changed}"
     assert scaler.get_scale() == (2.0**7 if poison else 2.0**8)
+
+
+@distributed(world_sizes=(3,), mesh_2d=False, timeout=180)
+def test_compiled_under_autocast(ctx):
+    """A compiled region under autocast gets the policy too (probed on real metadata while Dynamo traces)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.GELU(), nn.Conv2d(4, 2, 3, padding=1))
+    compiled = torch.compile(lambda m, x: m(x), backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        out, _ = _run(ctx, torch.bfloat16, lambda m, x: m(x), [(_g((2, 3, 12, 10), 0), 2)], module=model,
+                      label="compiled CNN", sharded_fn=compiled)
+    finally:
+        torch._dynamo.reset()
+    assert out.dtype == torch.bfloat16

@@ -138,6 +138,10 @@ def _binds_to_itself(cls, nargs: int) -> bool:
     return bound.args == given and not bound.kwargs
 
 
+#: Whether autocast is on for any device type (one C call: the hot path checks it on every handled call).
+any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
 def torch_function_disabled():
     """Context manager under which ``__torch_function__`` of subclasses is skipped."""
     return torch._C.DisableTorchFunctionSubclass()

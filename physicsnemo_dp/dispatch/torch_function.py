@@ -11,6 +11,8 @@ Order for every call that involves a ShardTensor:
 
 1. a function handler registered by the user for ``func`` (or its custom-op
    name), then the library's own (the op-family catalog, :mod:`.table`);
+   under ``torch.autocast`` it gets the operands autocast would give the op
+   and runs with autocast off (:mod:`.autocast`);
 2. otherwise, if plain tensors (other than 0-dim ones without grad) or
    DTensors are mixed in, promote them and call ``func`` again with subclass
    torch-function disabled, which sends it to ``__torch_dispatch__``;
@@ -19,9 +21,10 @@ Order for every call that involves a ShardTensor:
 
 from __future__ import annotations
 
-from .._torch_compat import OpOverload, torch_function_disabled
+from .._torch_compat import OpOverload, any_autocast_enabled as _any_autocast_enabled, torch_function_disabled
 from ..promotion import promote_args
 from . import registry, table
+from .autocast import autocast_call
 from .autograd_entry import AUTOGRAD_ENTRIES
 from .registry import function_handlers, named_function_handlers
 
@@ -87,6 +90,10 @@ def handle_torch_function(func, types, args=(), kwargs=None):
     handler = route if _PATCHES["enabled"] else None
     args, kwargs = promote_args(func, args, kwargs)
     if handler is not None:
+        if _any_autocast_enabled():  # the dispatcher's autocast key never sees a handled call: apply its policy here
+            args, kwargs, context = autocast_call(func, args, kwargs)
+            with context:
+                return handler(func, types, args, kwargs)
         return handler(func, types, args, kwargs)
     with torch_function_disabled():
         return func(*args, **kwargs)

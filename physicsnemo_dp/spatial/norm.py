@@ -61,6 +61,7 @@ class _Stats:
     eps: float
     param_shape: tuple | None  # weight/bias broadcast shape against x
     trailing_params: bool  # layer_norm: parameters are x's trailing dims (may be sharded)
+    dtype: torch.dtype | None = None  # of y, as torch gives it (bfloat16 x with float32 weight: bfloat16)
 
     def view(self, t):
         if self.groups is None:
@@ -89,7 +90,10 @@ class _Normalize(Function):
 
     @staticmethod
     def forward(x, weight, bias, mean, var, stats):
+        # Statistics in at least float32, as torch's kernels accumulate (a bfloat16 mean of a large
+        # field would lose the digits the centring needs); y in the dtype torch's op returns.
         xl = stats.view(x._local_tensor)
+        xl = xl.to(torch.promote_types(xl.dtype, torch.float32))
         if mean is None:
             mean = stats.sum(xl) / stats.count
             var = stats.sum((xl - mean).square()) / stats.count
@@ -100,7 +104,7 @@ class _Normalize(Function):
             y = y * _param_box(weight, stats)
         if bias is not None:
             y = y + _param_box(bias, stats)
-        return wrap(y, stats.spec), x_hat, rstd, mean, var
+        return wrap(y.to(stats.dtype or y.dtype), stats.spec), x_hat, rstd, mean, var
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -117,6 +121,7 @@ class _Normalize(Function):
         x_hat, rstd = ctx.saved_tensors
         stats = ctx.stats
         g = to_layout(grad, grad_layout(stats.spec)) if isinstance(grad, shard_tensor_cls()) else grad
+        g = g.to(x_hat.dtype)
         g_hat = g if ctx.weight is None else g * ctx.weight
         gv, xv = stats.view(g_hat), stats.view(x_hat)
         if ctx.fixed:
@@ -124,7 +129,7 @@ class _Normalize(Function):
         else:
             sums = stats.sum(torch.stack([gv, gv * xv]), stacked=True) / stats.count
             gx = rstd * (gv - sums[0] - xv * sums[1])
-        grad_x = wrap(gx.reshape(g.shape), grad_layout(stats.spec))
+        grad_x = wrap(gx.reshape(g.shape).to(stats.spec.tensor_meta.dtype), grad_layout(stats.spec))
         grads = [_param_grad(g * x_hat, ctx.param_meta[0], stats), _param_grad(g, ctx.param_meta[1], stats)]
         return grad_x, *grads, None, None, None
 
@@ -144,7 +149,7 @@ def _param_grad(t, meta, stats: _Stats):
     dims = [d for d in range(t.ndim)
             if d < offset or (not stats.trailing_params and stats.param_shape[d - offset] == 1)]
     local = t.sum(dims, keepdim=True) if dims else t  # sum over [] would reduce every dim
-    local = local.reshape(local.shape[offset:] if stats.trailing_params else (-1,))
+    local = local.reshape(local.shape[offset:] if stats.trailing_params else (-1,)).to(dtype)
     placements, tables = [], [None] * len(shape)
     for m, p in enumerate(stats.spec.placements):
         if p.is_shard() and stats.trailing_params and p.dim >= offset:
@@ -155,13 +160,13 @@ def _param_grad(t, meta, stats: _Stats):
     return wrap(local, ShardTensorSpec.from_sizes(stats.spec.mesh, placements, shape, dtype, tuple(tables)))
 
 
-def _stats(x, reduce_dims, view_dims=None, groups=None, eps=1e-5, param_shape=None, trailing=False) -> _Stats:
+def _stats(x, reduce_dims, view_dims=None, groups=None, eps=1e-5, param_shape=None, trailing=False, dtype=None) -> _Stats:
     """Statistics over ``reduce_dims`` of ``x`` (``view_dims``: the same dims in the grouped view)."""
     spec = x._spec
     shape = spec.global_shape
     mesh_dims = tuple(sorted({m for d in reduce_dims for m in _layout.sharding_mesh_dims(spec.placements, d) if spec.mesh.size(m) > 1}))
     count = prod(shape[d] for d in reduce_dims) // (groups or 1)
-    return _Stats(spec, groups, tuple(view_dims or reduce_dims), mesh_dims, count, eps, param_shape, trailing)
+    return _Stats(spec, groups, tuple(view_dims or reduce_dims), mesh_dims, count, eps, param_shape, trailing, dtype)
 
 
 def _normalize(x, weight, bias, stats, mean=None, var=None):
@@ -183,11 +188,11 @@ def _channel_shape(x):
 # Handlers
 # --------------------------------------------------------------------------- #
 def _batch_norm(func, types, args, kwargs):
-    meta_output(func, args, kwargs)
+    dtype = meta_output(func, args, kwargs).dtype
     x, running_mean, running_var, weight, bias, training, momentum, eps = _bn_args(*args, **kwargs)
     x = prepare_input(x, (), whole_dims=(1,))
     reduce = tuple(d for d in range(x.ndim) if d != 1)
-    stats = _stats(x, reduce, eps=eps, param_shape=_channel_shape(x))
+    stats = _stats(x, reduce, eps=eps, param_shape=_channel_shape(x), dtype=dtype)
     if not training:
         shape = (1, *_channel_shape(x))
         y, _, _ = _normalize(x, weight, bias, stats, _local(running_mean).reshape(shape), _local(running_var).reshape(shape))
@@ -204,10 +209,10 @@ def _bn_args(input, running_mean, running_var, weight=None, bias=None, training=
 
 
 def _instance_norm(func, types, args, kwargs):
-    meta_output(func, args, kwargs)
+    dtype = meta_output(func, args, kwargs).dtype
     x, running_mean, running_var, weight, bias, use_input_stats, momentum, eps = _in_args(*args, **kwargs)
     x = prepare_input(x, (), whole_dims=(1,))
-    stats = _stats(x, tuple(range(2, x.ndim)), eps=eps, param_shape=_channel_shape(x))
+    stats = _stats(x, tuple(range(2, x.ndim)), eps=eps, param_shape=_channel_shape(x), dtype=dtype)
     if not use_input_stats:
         shape = (1, *_channel_shape(x))
         y, _, _ = _normalize(x, weight, bias, stats, _local(running_mean).reshape(shape), _local(running_var).reshape(shape))
@@ -226,11 +231,11 @@ def _in_args(input, running_mean=None, running_var=None, weight=None, bias=None,
 
 
 def _group_norm(func, types, args, kwargs):
-    meta_output(func, args, kwargs)
+    dtype = meta_output(func, args, kwargs).dtype
     x, groups, weight, bias, eps = _gn_args(*args, **kwargs)
     x = prepare_input(x, (), whole_dims=(1,))
     reduce = tuple(range(1, x.ndim))
-    stats = _stats(x, reduce, tuple(range(2, x.ndim + 1)), groups, eps, _channel_shape(x))
+    stats = _stats(x, reduce, tuple(range(2, x.ndim + 1)), groups, eps, _channel_shape(x), dtype=dtype)
     return _normalize(x, weight, bias, stats)[0]
 
 
@@ -239,11 +244,11 @@ def _gn_args(input, num_groups, weight=None, bias=None, eps=1e-5):
 
 
 def _layer_norm(func, types, args, kwargs):
-    meta_output(func, args, kwargs)
+    dtype = meta_output(func, args, kwargs).dtype
     x, normalized_shape, weight, bias, eps = _ln_args(*args, **kwargs)
     x = prepare_input(x, ())
     k = len(normalized_shape)
-    stats = _stats(x, tuple(range(x.ndim - k, x.ndim)), eps=eps, param_shape=tuple(normalized_shape), trailing=True)
+    stats = _stats(x, tuple(range(x.ndim - k, x.ndim)), eps=eps, param_shape=tuple(normalized_shape), trailing=True, dtype=dtype)
     if not stats.mesh_dims and not tracing(x._local_tensor):
         # Every row is whole on its rank (the transformer case: tokens sharded, features not): torch's
         # fused kernels through the native_layer_norm rule (rules/dim_ops/norms.py), the arithmetic of

@@ -105,3 +105,17 @@ def test_mesh_and_groups_that_disagree_raise_on_every_rank(ctx):
                                  mesh_dim_names=("ddp", "domain"))  # dims swapped: row groups along dim 0
     with pytest.raises(RuntimeError, match="the mesh and its process groups disagree"):
         ShardTensor.from_local(torch.ones(2, device=ctx.device), mesh, [Shard(0), Replicate()])
+
+
+@distributed(world_sizes=(4,), mesh_2d=False, timeout=240)
+def test_compiled_on_a_reversed_mesh(ctx):
+    """Traced code takes the functional collectives (a halo becomes an all-to-all there): translated alike."""
+    from tests.compile._compare import compare
+
+    mesh = DeviceMesh(ctx.device.type, [3, 2, 1, 0])
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 2, 13, dtype=torch.float64), torch.randn(3, 2, 3, dtype=torch.float64)
+    fn = lambda x, w: F.conv1d(x, w, padding=1).cumsum(2)  # noqa: E731  halo all-to-all, then a gathered scan
+    out = fn(_sharded(x, mesh, [Shard(2)], dim=2), w).full_tensor()
+    assert torch.allclose(out, fn(x, w))
+    compare(fn, [(x, [Shard(2)]), (w, None)], mesh, backend="aot_eager", grad=False, label="reversed mesh")

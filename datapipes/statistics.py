@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from physicsnemo_dp import collectives
 
 from ._files import atomic_path
 from .agreement import check_all_ranks
@@ -117,11 +118,15 @@ def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _all_combine(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Combine every rank's moments: one all_gather per mesh dim, folded in group-rank order."""
-    local = local.to(mesh.device_type)
+    """Combine every rank's moments: one all_gather per mesh dim, folded in mesh-coordinate order.
+
+    Coordinate order (not the process group's rank order, which can differ
+    from group to group along one mesh dim) makes every rank fold the same
+    values in the same order, so all ranks get bitwise the same statistics.
+    """
+    local = local.to(collectives.mesh_device(mesh))
     for dim in range(mesh.ndim):
-        parts = [torch.empty_like(local) for _ in range(mesh.size(dim))]
-        dist.all_gather(parts, local, group=mesh.get_group(dim))
+        parts = collectives.all_gather_v(local[None], [1] * mesh.size(dim), 0, mesh, dim).unbind(0)
         local = reduce(_combine, parts)
     return local.cpu()
 

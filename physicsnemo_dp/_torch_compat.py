@@ -287,7 +287,9 @@ def _restored(out: torch.Tensor, restore) -> torch.Tensor:
 
 
 # The dtype translation runs inside ``_in_its_pass()`` with the collective, so
-# a traced backward keeps the views and casts next to it.
+# a traced backward keeps the views and casts next to it. Split lists, gathered
+# order and ``src_group_rank`` are in *group-rank* order, as the backend reads
+# them; :mod:`physicsnemo_dp.collectives` translates from mesh coordinates.
 def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_dim):
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)

@@ -21,6 +21,15 @@ cannot carry travel as a same-size view (the same bytes) or, for reductions of
 int16-like dtypes, widened (more bytes on the wire than counted); see the
 collective wrappers in :mod:`physicsnemo_dp._torch_compat`.
 
+Positions are mesh coordinates. Every split list, peer, source rank and
+gathered order here is indexed by this rank's coordinate along the mesh dim
+(``mesh.get_coordinate()[mesh_dim]``, the index of the size tables), not by its
+rank in the dim's process group, which can differ (a mesh listing its ranks
+out of increasing order, a mesh built by ``DeviceMesh.from_group``): the
+functions translate to group ranks with :mod:`physicsnemo_dp._mesh_order`
+(nothing to do, and nothing done, when the two coincide), so callers never
+see group ranks.
+
 Collectives are functional (``torch.distributed._functional_collectives``
 addressed by ``(mesh, mesh_dim)``) so they stay traceable by ``torch.compile``.
 The exceptions are point to point: :func:`send_recv` (ring schedules, eager
@@ -38,6 +47,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _mesh_order
 from . import _torch_compat as tc
 
 __all__ = ["CommCounter", "count_collectives"]
@@ -124,16 +134,31 @@ def all_to_all_v(
 ) -> torch.Tensor:
     """Exchange rows (dim 0) with every rank of ``mesh_dim``; split sizes may differ per rank.
 
-    ``chunks_in`` holds, concatenated along dim 0, the rows for group rank 0, 1,
-    ...; ``in_splits[j]`` rows go to rank ``j`` and ``out_splits[j]`` rows
-    arrive from it.
+    ``chunks_in`` holds, concatenated along dim 0, the rows for coordinate 0,
+    1, ... of ``mesh_dim``; ``in_splits[j]`` rows go to coordinate ``j`` and
+    ``out_splits[j]`` rows arrive from it, back to back in coordinate order.
     """
-    me = mesh.get_local_rank(mesh_dim)
+    line = _mesh_order.line(mesh, mesh_dim)
+    me = line.me
     row = _nbytes(_row_numel(chunks_in), chunks_in.dtype)
     _record(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row, mesh, mesh_dim)
     if mesh.size(mesh_dim) == 1:
         return chunks_in
-    return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim)
+    if line.to_group is None:
+        return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim)
+    # The backend takes and returns pieces in group-rank order: reorder both ways (one copy each).
+    in_group = [in_splits[c] for c in line.to_coord]
+    out_group = [out_splits[c] for c in line.to_coord]
+    received = tc.all_to_all_single(
+        _reordered(chunks_in, in_splits, line.to_coord), out_group, in_group, mesh, mesh_dim
+    )
+    return _reordered(received, out_group, line.to_group)
+
+
+def _reordered(rows: torch.Tensor, splits: Sequence[int], order: Sequence[int]) -> torch.Tensor:
+    """The pieces ``rows.split(splits)`` back to back as ``order`` picks them (piece ``order[k]`` k-th)."""
+    pieces = rows.split([int(s) for s in splits])
+    return torch.cat([pieces[i] for i in order])
 
 
 def neighbour_exchange(
@@ -146,8 +171,9 @@ def neighbour_exchange(
 ) -> torch.Tensor:
     """:func:`all_to_all_v` with only the ranks that exchange rows: O(peers) per call, not O(group size).
 
-    ``send_peers`` and ``recv_peers`` list ``(group_rank, rows)`` in increasing
-    group rank, ``rows > 0``; ranks left out exchange nothing with this one.
+    ``send_peers`` and ``recv_peers`` list ``(coordinate, rows)`` in increasing
+    coordinate along ``mesh_dim``, ``rows > 0``; ranks left out exchange
+    nothing with this one.
     ``chunks_in`` holds the rows for the send peers back to back in that
     order; the result holds the rows from the receive peers back to back in
     theirs (the order :func:`all_to_all_v` uses, which it equals). Every pair
@@ -167,7 +193,7 @@ def neighbour_exchange(
       too, never with one running the same exchange eagerly.
     """
     group = mesh.size(mesh_dim)
-    me = mesh.get_local_rank(mesh_dim)
+    me = _mesh_order.coordinate(mesh, mesh_dim)
     _check_peers("send_peers", send_peers, group)
     _check_peers("recv_peers", recv_peers, group)
     sending = sum(n for _, n in send_peers)
@@ -196,12 +222,12 @@ def neighbour_exchange(
 
 
 def _check_peers(name: str, peers: Sequence[tuple[int, int]], group: int) -> None:
-    """Peers must be ``(group_rank, rows)`` with increasing ranks inside the group and ``rows > 0``."""
+    """Peers must be ``(coordinate, rows)`` with increasing coordinates inside the mesh dim and ``rows > 0``."""
     previous = -1
     for peer in peers:
         if len(peer) != 2 or not previous < peer[0] < group or peer[1] <= 0:
             raise ValueError(
-                f"{name} must be (group_rank, rows) pairs with increasing ranks in [0, {group}) and rows > 0, "
+                f"{name} must be (coordinate, rows) pairs with increasing coordinates in [0, {group}) and rows > 0, "
                 f"got {tuple(peers)}"
             )
         previous = peer[0]
@@ -233,7 +259,8 @@ def all_gather_v(
     ``local`` (see :func:`_concat`).
     """
     group = mesh.size(mesh_dim)
-    me = mesh.get_local_rank(mesh_dim)
+    line = _mesh_order.line(mesh, mesh_dim)
+    me = line.me
     sizes = [int(s) for s in sizes]
     row = _row_numel(local.movedim(dim, 0)) if local.ndim else 1
     _record(
@@ -247,13 +274,14 @@ def all_gather_v(
         return local
     dim = dim % max(local.ndim, 1)
     flat = local.contiguous().reshape(-1)  # no copy for a contiguous shard
+    arriving = sizes if line.to_coord is None else [sizes[c] for c in line.to_coord]  # in group-rank order
     if len(set(sizes)) == 1:
         received = tc.all_gather_tensor(flat, 0, mesh, mesh_dim)
     else:
         block = _block_numel(local.shape, dim)
         send = flat.repeat(group)  # the shard once per destination, contiguous as the backend reads it
-        received = tc.all_to_all_single(send, [s * block for s in sizes], [flat.numel()] * group, mesh, mesh_dim)
-    return _concat(received, local.shape, sizes, dim)
+        received = tc.all_to_all_single(send, [s * block for s in arriving], [flat.numel()] * group, mesh, mesh_dim)
+    return _concat(received, local.shape, arriving, dim, line.to_group)
 
 
 def _block_numel(shape, dim: int) -> int:
@@ -264,8 +292,12 @@ def _block_numel(shape, dim: int) -> int:
     return n
 
 
-def _concat(received: torch.Tensor, shape, sizes: Sequence[int], dim: int) -> torch.Tensor:
-    """Every rank's shard, received back to back in rank order, as one contiguous concatenation along ``dim``.
+def _concat(received: torch.Tensor, shape, sizes: Sequence[int], dim: int, order: Sequence[int] | None = None) -> torch.Tensor:
+    """Every rank's shard, received back to back, as one contiguous concatenation along ``dim``.
+
+    ``sizes`` are the extents as received; ``order`` (None: as received)
+    lists which received shard comes k-th in the result: the shards arrive in
+    group-rank order and the result is in coordinate order.
 
     Shards travel in their own (contiguous) memory order, so the gather needs
     no send-side transpose. When every dim before ``dim`` has extent 1 the
@@ -278,11 +310,11 @@ def _concat(received: torch.Tensor, shape, sizes: Sequence[int], dim: int) -> to
     outer = 1
     for s in shape[:dim]:
         outer *= s
-    if outer == 1:
+    if outer == 1 and order is None:
         return received.view(*shape[:dim], sum(sizes), *shape[dim + 1 :])
     block = _block_numel(shape, dim)
-    pieces = received.split([s * block for s in sizes])
-    return torch.cat([p.view(*shape[:dim], s, *shape[dim + 1 :]) for p, s in zip(pieces, sizes)], dim=dim)
+    pieces = [p.view(*shape[:dim], s, *shape[dim + 1 :]) for p, s in zip(received.split([s * block for s in sizes]), sizes)]
+    return torch.cat(pieces if order is None else [pieces[i] for i in order], dim=dim)
 
 
 def reduce_scatter_v(
@@ -300,7 +332,7 @@ def reduce_scatter_v(
     """
     tc.check_reducible(local.dtype, reduce_op)
     group = mesh.size(mesh_dim)
-    me = mesh.get_local_rank(mesh_dim)
+    me = _mesh_order.coordinate(mesh, mesh_dim)
     sizes = [int(s) for s in sizes]
     if group == 1:
         _record("reduce_scatter", 0, 0, mesh, mesh_dim)
@@ -350,14 +382,15 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim:
 
 
 def broadcast(tensor: torch.Tensor, src: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
-    """Copy ``tensor`` from group rank ``src`` of ``mesh_dim`` to all its ranks."""
+    """Copy ``tensor`` from coordinate ``src`` of ``mesh_dim`` to all its ranks."""
     group = mesh.size(mesh_dim)
-    me = mesh.get_local_rank(mesh_dim)
+    line = _mesh_order.line(mesh, mesh_dim)
+    me = line.me
     n = _nbytes(tensor.numel(), tensor.dtype)
     _record("broadcast", n * (group - 1) if me == src else 0, 0 if me == src else n, mesh, mesh_dim)
     if group == 1:
         return tensor
-    return tc.broadcast(tensor.contiguous(), src, mesh, mesh_dim)
+    return tc.broadcast(tensor.contiguous(), src if line.to_group is None else line.to_group[src], mesh, mesh_dim)
 
 
 def gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
@@ -413,11 +446,11 @@ def send_recv(
     mesh_dim: int,
     tag: int = 0,
 ) -> Exchange:
-    """Post sends of ``send`` to group rank ``to_rank`` and receives from ``from_rank``.
+    """Post sends of ``send`` to coordinate ``to_rank`` of ``mesh_dim`` and receives from ``from_rank``.
 
     ``recv_like`` lists ``(shape, dtype)`` of the tensors that arrive (the
     receiver always knows them from the layout, so nothing but payload moves).
-    Ranks are ranks within ``mesh_dim``'s group, both other than this rank
+    Both are coordinates along ``mesh_dim``, other than this rank's
     (a group of one has nothing to exchange). Empty tensors are not
     transmitted, on either side, so uneven layouts with empty shards need no
     special casing. Uses ``batch_isend_irecv`` (gloo and NCCL alike); ``tag``
@@ -441,7 +474,7 @@ def send_recv(
 
 
 def _post(sends, recvs, mesh: DeviceMesh, mesh_dim: int, tag: int) -> tuple[list, list]:
-    """Post ``(group_rank, tensor)`` sends and receives as one ``batch_isend_irecv``.
+    """Post ``(coordinate, tensor)`` sends and receives as one ``batch_isend_irecv`` (to the coordinates' group ranks).
 
     Returns the work handles and the send buffers as they travel, which must
     stay alive until the works are waited for.
@@ -452,8 +485,14 @@ def _post(sends, recvs, mesh: DeviceMesh, mesh_dim: int, tag: int) -> tuple[list
     same-size view, a receive buffer's view filling the buffer itself.
     """
     group = mesh.get_group(mesh_dim)
+    to_group = _mesh_order.line(mesh, mesh_dim).to_group
+    peer = (lambda c: c) if to_group is None else to_group.__getitem__
     p2p = torch.distributed.P2POp
     wires = [(r, tc.wire_view(t)) for r, t in sends if t.numel()]
-    ops = [p2p(torch.distributed.isend, t, group=group, group_peer=r, tag=tag) for r, t in wires]
-    ops += [p2p(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=r, tag=tag) for r, t in recvs if t.numel()]
+    ops = [p2p(torch.distributed.isend, t, group=group, group_peer=peer(r), tag=tag) for r, t in wires]
+    ops += [
+        p2p(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=peer(r), tag=tag)
+        for r, t in recvs
+        if t.numel()
+    ]
     return (torch.distributed.batch_isend_irecv(ops) if ops else []), [t for _, t in wires]

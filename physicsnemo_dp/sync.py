@@ -60,6 +60,9 @@ def _checksum(t: torch.Tensor) -> float:
 def sync_module_over_mesh(module: nn.Module, mesh: DeviceMesh, src_mesh_rank: int = 0, verify: bool = False) -> None:
     """Broadcast ``module``'s plain parameters and buffers over the 1-D ``mesh`` from ``src_mesh_rank``.
 
+    ``src_mesh_rank`` is a position in the mesh (``mesh.mesh[src_mesh_rank]``
+    is the source's global rank), whatever order the mesh lists its ranks in.
+
     The metadata (names, shapes, dtypes) is always compared first with one
     small collective, so a mismatch raises the same ``RuntimeError`` on every
     rank instead of corrupting weights or hanging. With ``verify=True`` a

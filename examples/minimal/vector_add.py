@@ -16,7 +16,7 @@ from _common import on_ranks  # noqa: E402  (torchrun's ranks, or ranks started 
 
 
 def main(mesh):
-    rank = mesh.get_local_rank()
+    rank = mesh.get_coordinate()[0]  # position in the mesh, which shard sizes are indexed by
     start = sum(range(1, rank + 1))  # rank r holds r + 1 elements: 1, 2, 3, 4
     piece = torch.arange(start, start + rank + 1, dtype=torch.float64, device=mesh.device_type)
     a = ShardTensor.from_local(piece, mesh, [Shard(0)])  # learns every shard's size (one small all-gather)

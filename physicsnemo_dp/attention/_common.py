@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _mesh_order
 from .._redistribute import grad_layout
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from . import _heads
@@ -64,7 +65,7 @@ def grouped(q, k, v, mask, options: Options) -> Grouped:
 
 
 def token_spans(spec, layout: AttentionLayout, options: Options, rank: int):
-    """Causal spans of the tokens that group rank ``rank`` holds of ``spec``'s sequence, and their global offset."""
+    """Causal spans of the tokens that coordinate ``rank`` of the sequence mesh dim holds of ``spec``'s sequence, and their global offset."""
     offset, length = sequence_ranges(spec, layout.seq_mesh_dim)[rank]
     if not options.causal:  # positions do not matter: one span, one tile
         return (Span(0, length, 0),), offset
@@ -73,10 +74,10 @@ def token_spans(spec, layout: AttentionLayout, options: Options, rank: int):
     return spans(offset, length, n, parts, options.zigzag), offset
 
 
-def group_rank(layout: AttentionLayout) -> int:
+def sequence_coordinate(layout: AttentionLayout) -> int:
     """This rank's index along the sequence mesh dim (0 without one)."""
     m = layout.seq_mesh_dim
-    return 0 if m is None else layout.q.mesh.get_local_rank(m)
+    return 0 if m is None else _mesh_order.coordinate(layout.q.mesh, m)
 
 
 def local_grad(grad, spec) -> torch.Tensor:

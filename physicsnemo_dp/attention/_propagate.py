@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from ..propagation import CommStep, OpPlan, collective_step, moves
 from ..split import chunk_sizes, offsets_from_sizes
 from ._blocks import compute_dtype, plan_tiles
-from ._common import Options, group_rank, token_spans
+from ._common import Options, sequence_coordinate, token_spans
 from ._heads import query_groups
 from ._placement import AttentionLayout, plan_layout
 from .zigzag import zigzag_sizes
@@ -62,7 +62,7 @@ class Schedule:
         me: this rank's index along the sequence mesh dim (0 without one).
         size: ranks in the ring (1 for the local kinds).
         rows0: the mask row this rank's queries start at.
-        blocks: for the ring, the block of every group rank (indexed by owner); for the
+        blocks: for the ring, the block of every coordinate of the sequence mesh dim (indexed by owner); for the
             local kinds, the one block this rank attends to.
         mask_travels: the mask is split like the keys and travels with the ring's blocks.
         chunks: ``(start, length)`` of the head groups (dim -4 of the grouped tensors) whose
@@ -209,7 +209,7 @@ def _chunks(shapes, itemsize: int, mask_travels: bool, k_lens) -> tuple:
 
 
 def _schedule(layout: AttentionLayout, options: Options, shapes, itemsize: int) -> Schedule:
-    me = group_rank(layout)
+    me = sequence_coordinate(layout)
     ring = layout.kind == "ring"
     size = layout.q.mesh.size(layout.seq_mesh_dim) if ring else 1
     q_spans, q_offset = token_spans(layout.q, layout, options, me)

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .._torch_compat import Function
-from .. import _layout, collectives
+from .. import _layout, _mesh_order, collectives
 from .._redistribute import grad_layout
 from ..rule_kit import normalize_dim, to_layout, wrap
 from ..errors import PlacementError
@@ -112,7 +112,7 @@ def _pieces(src: Sequence[Span], dst: Sequence[Span]) -> list[tuple[int, int, in
 
 def _move(local, dim, src_spans, dst_spans, mesh, mesh_dim):
     """One all-to-all that takes this rank's tokens from the ``src_spans`` layout to ``dst_spans``."""
-    me = mesh.get_local_rank(mesh_dim)
+    me = _mesh_order.coordinate(mesh, mesh_dim)
     group = range(mesh.size(mesh_dim))
     rows = local.movedim(dim, 0)
     outgoing = [_pieces(src_spans[me], dst_spans[j]) for j in group]

@@ -215,7 +215,7 @@ def plot_field_pieces(pieces: Sequence[tuple[dict, object]], extent: Sequence[in
 def halo_windows(sizes: Sequence[int], left: int, right: int, mode: str = "zeros") -> list[dict]:
     """What a halo exchange of widths ``(left, right)`` gives each shard of a dim split into ``sizes``.
 
-    One entry per shard (group rank ``r``): ``start``/``size`` of its rows,
+    One entry per shard (coordinate ``r`` along the mesh dim): ``start``/``size`` of its rows,
     ``rows`` (the global row read at each window position, ``None`` for a
     fill value), ``owners`` (the rank owning each of those rows) and
     ``received`` (``{source rank: number of distinct rows}``, exactly the

@@ -227,12 +227,12 @@ class MeshContext:
     @property
     def ddp_rank(self) -> int:
         """This rank's coordinate on ``"ddp"``: which subset of the samples it sees."""
-        return self.mesh.get_local_rank("ddp")
+        return self.mesh.get_coordinate()[self.mesh.mesh_dim_names.index("ddp")]
 
     @property
     def domain_rank(self) -> int:
         """This rank's coordinate on ``"domain"``: which piece of each sample it holds."""
-        return self.mesh.get_local_rank("domain")
+        return self.mesh.get_coordinate()[self.mesh.mesh_dim_names.index("domain")]
 
     @property
     def device(self) -> torch.device:

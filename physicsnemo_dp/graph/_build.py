@@ -22,7 +22,7 @@ import hashlib
 
 import torch
 
-from .. import collectives
+from .. import _mesh_order, collectives
 from ..errors import PlacementError
 from ..rule_kit import shard_tensor_cls
 from ._graph import ShardedGraph
@@ -178,7 +178,7 @@ def build_graph(edge_index: torch.Tensor, nodes, *, edge_attr: torch.Tensor | No
     mesh_dim = node_mesh_dim(spec)
     mesh = spec.mesh
     group = mesh.size(mesh_dim)
-    me = mesh.get_local_rank(mesh_dim)
+    me = _mesh_order.coordinate(mesh, mesh_dim)
     num_nodes = spec.global_shape[0]
     ends = torch.tensor(spec.dim_sizes[0], dtype=torch.int64).cumsum(0)
     device = collectives.mesh_device(mesh)

@@ -36,6 +36,7 @@ import weakref
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from .. import _mesh_order
 from ..errors import PlacementError
 from ..rule_kit import shard_tensor_cls, wrap
 
@@ -75,7 +76,7 @@ class ShardedGraph:
         self.mesh_dim = mesh_dim
         self.num_nodes = nodes_spec.global_shape[0]
         self.node_sizes = tuple(nodes_spec.dim_sizes[0])
-        self.rank = self.mesh.get_local_rank(mesh_dim)
+        self.rank = _mesh_order.coordinate(self.mesh, mesh_dim)  # this rank's index in the size tables
         self.node_offset = sum(self.node_sizes[: self.rank])
         self.num_local_nodes = self.node_sizes[self.rank]
         self.edge_sizes = tuple(int(s) for s in edge_sizes)

@@ -42,7 +42,7 @@ import numbers
 
 import torch
 
-from .. import collectives
+from .. import _mesh_order, collectives
 from ..errors import PlacementError
 from ..shard_tensor import ShardTensor
 from ..split import chunk_sizes
@@ -110,7 +110,7 @@ def _exchange(local, ids, wanted, mesh, mesh_dim: int):
     rows, counted under the kind ``"neighbour_candidates"`` of
     :func:`physicsnemo_dp.collectives.count_collectives`.
     """
-    group, me = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    group, me = mesh.size(mesh_dim), _mesh_order.coordinate(mesh, mesh_dim)
     wanted[:, me] = False
     chosen = [wanted[:, r].nonzero().flatten() for r in range(group)]
     send_counts = [int(c.numel()) for c in chosen]
@@ -138,7 +138,7 @@ def _search_edges(points, *, k=None, radius=None, cap=None, loop: bool, prune: b
     mesh_dim = _point_mesh_dim(points, fn)
     mesh = points.device_mesh
     local = points._local_tensor.detach()
-    group, me = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    group, me = mesh.size(mesh_dim), _mesh_order.coordinate(mesh, mesh_dim)
     sizes = [s[0] for s in points.spec.sharding_shapes(mesh_dim)]
     start = sum(sizes[:me])
     ids = torch.arange(start, start + sizes[me], device=local.device)

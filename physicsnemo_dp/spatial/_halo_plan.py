@@ -64,9 +64,9 @@ def source_rows(lo: int, hi: int, extent: int, mode: str) -> torch.Tensor:
 class DimPlan:
     """How this rank builds its window along one tensor dim.
 
-    ``send_index`` (local rows, destinations in group order) with
-    ``send_peers``/``recv_peers`` (``(group rank, rows)`` of the few ranks
-    this one exchanges with, in group order) drive one neighbour exchange
+    ``send_index`` (local rows, destinations in coordinate order) with
+    ``send_peers``/``recv_peers`` (``(coordinate, rows)`` of the few ranks
+    this one exchanges with, in coordinate order) drive one neighbour exchange
     over ``mesh_dim``: per call, work in the number of peers, not in the
     group size. ``send_splits``/``recv_splits`` are the same as dense
     group-long tables (for byte accounting and pictures, read at planning
@@ -108,7 +108,7 @@ def plan_dim(
     dim: int,
     mesh_dim: int | None,
 ) -> DimPlan:
-    """Plan the exchange along ``dim`` for group rank ``me``.
+    """Plan the exchange along ``dim`` for coordinate ``me`` along the mesh dim.
 
     ``sizes[r]`` and ``windows[r]`` are shard ``r``'s extent and requested
     window (global indices), for every rank of the group along ``mesh_dim``.

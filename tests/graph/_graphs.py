@@ -80,7 +80,7 @@ def random_case(mesh, num_nodes: int, num_edges: int, seed: int, allow_empty: bo
     dst = torch.randint(0, used, (num_edges,), generator=gen)
     giver = torch.randint(0, group, (num_edges,), generator=gen)
     sizes = uneven_sizes(num_nodes, group, gen, allow_empty)
-    return Case(num_nodes, src, dst, giver, sizes, mesh_dim, group, mesh.get_local_rank(mesh_dim))
+    return Case(num_nodes, src, dst, giver, sizes, mesh_dim, group, mesh.get_coordinate()[mesh_dim])
 
 
 def with_self_loops(case: Case) -> Case:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from physicsnemo_dp import ShardTensor
 from physicsnemo_dp.debug import count_collectives
@@ -18,6 +21,10 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12
 
 @distributed
 def test_placement_order_and_ghost_plan(ctx):
+    _placement_check(ctx)
+
+
+def _placement_check(ctx):
     for seed, (n, e) in enumerate([(23, 60), (7, 0), (40, 5), (1, 3)]):
         case = random_case(ctx.mesh, n, e, seed)
         attr = torch.arange(e, dtype=torch.float64)[:, None] * torch.tensor([1.0, -1.0])
@@ -96,6 +103,14 @@ _OPS = {
 def test_ghost_gather(ctx, op, dtype):
     for seed, (n, e) in enumerate([(31, 90), (9, 4)]):
         _gather_check(ctx, random_case(ctx.mesh, n, e, 100 + seed), dtype, _OPS[op])
+
+
+@distributed(world_sizes=(4,), mesh_2d=False)
+def test_graph_on_a_mesh_with_ranks_out_of_order(ctx):
+    """Edge placement, ghost plan and the ghost all-to-all follow mesh coordinates, not process-group ranks."""
+    ctx = dataclasses.replace(ctx, mesh=DeviceMesh(ctx.device.type, [2, 0, 3, 1], mesh_dim_names=("domain",)))
+    _placement_check(ctx)
+    _gather_check(ctx, random_case(ctx.mesh, 31, 90, 100), torch.float64, _OPS["getitem"])
 
 
 # --------------------------------------------------------------------------- #

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from physicsnemo_dp import ShardTensor
+from physicsnemo_dp import ShardTensor, scatter_tensor
 
 from ._strategies import ANY, ANY_EXACT, COMPLEX as COMPLEX_DTYPES, EXACT, REAL, dims, draw_input
 
@@ -436,6 +436,45 @@ def _sdpa_case(draw, mesh_shape):
 
 ATTENTION = {"sdpa": Op(F.scaled_dot_product_attention, _sdpa_case, EXACT)}
 
+# ------------------------------------------------------------------ layouts
+def _placements(draw, shape, mesh_shape):
+    """Target placements for ``shape`` over ``mesh_shape`` (Replicate or Shard of any dim, nesting allowed)."""
+    options = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return tuple(draw(st.sampled_from(options)) for _ in mesh_shape)
+
+
+def _layout_case(draw, mesh_shape):
+    shape = draw(dims())
+    return [draw_input(draw, shape, mesh_shape)], {"placements": _placements(draw, shape, mesh_shape)}
+
+
+def _redistribute(x, placements):
+    """``x`` in ``placements`` (the reference: ``x`` itself)."""
+    return x.redistribute(x.device_mesh, placements) if isinstance(x, ShardTensor) else x * 1
+
+
+def _scatter_case(draw, mesh_shape):
+    inputs, args = _layout_case(draw, mesh_shape)
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    return inputs, {**args, "src": draw(st.integers(0, world - 1))}
+
+
+def _scatter(x, placements, src):
+    """``scatter_tensor`` of ``x``'s values from global rank ``src`` (the reference: ``x`` itself)."""
+    if not isinstance(x, ShardTensor):
+        return x * 1
+    full = x.full_tensor()
+    held = full if torch.distributed.get_rank() == src else None
+    return scatter_tensor(held, src, x.device_mesh, placements, requires_grad=x.requires_grad)
+
+
+LAYOUTS = {
+    "redistribute": Op(_redistribute, _layout_case, ANY),
+    "scatter_tensor": Op(_scatter, _scatter_case, ANY, grad=False),  # the result is a new leaf
+}
+
 #: Dtypes gloo cannot send (complex, int16), through ops of several families: their rules
 #: are dtype-agnostic, the communication underneath is what these dtypes exercise.
 GLOO_DTYPES = {
@@ -446,7 +485,7 @@ GLOO_DTYPES = {
 }
 
 _TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, MATMUL, DIM_OPS,
-           INDEXING, TENSOR_LIKE, KNOWN_TENSOR_LIKE, SPATIAL, ATTENTION, GLOO_DTYPES)
+           INDEXING, TENSOR_LIKE, KNOWN_TENSOR_LIKE, SPATIAL, ATTENTION, LAYOUTS, GLOO_DTYPES)
 #: Every op by name: ranks look a case's op up here.
 OPS = {name: op for table in _TABLES for name, op in table.items()}
 assert len(OPS) == sum(map(len, _TABLES)), "op names must be unique across tables"

@@ -22,11 +22,13 @@ in the op itself is caught the same way (ops raise on every rank alike).
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import torch
 from hypothesis import assume, event
 from hypothesis.control import currently_in_test_context
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec
@@ -59,7 +61,7 @@ def check_case(case: Case, *, contiguity: bool | None = False) -> None:
     (only the :data:`CONTIGUITY` ones if ``contiguity``, all others if false, all if ``None``)."""
     if currently_in_test_context():  # not when a case is replayed by hand
         event(f"op {case.op}")  # --hypothesis-show-statistics shows what the examples covered
-        event(f"mesh {case.mesh_shape}")
+        event(f"mesh {case.mesh_shape}" + ("" if case.rank_order is None else " permuted"))
         for desc in case.inputs:
             for memory in set(desc.memory):
                 event(f"memory {memory}")
@@ -195,9 +197,26 @@ def _cotangent(ctx, out, ref: torch.Tensor, gen: torch.Generator):
     return ShardTensor(values[box(gspec)].clone(), gspec, requires_grad=False), values
 
 
+#: Meshes over permuted ranks this worker built, by (shape, order): a mesh's process
+#: groups are made once per worker (every rank of the pool runs the same jobs, so every
+#: rank creates them in the same order).
+_PERMUTED_MESHES: dict = {}
+
+
+def _mesh_of(ctx, case: Case) -> DeviceMesh:
+    if case.rank_order is None:
+        return ctx.mesh
+    key = (case.mesh_shape, case.rank_order)
+    if key not in _PERMUTED_MESHES:
+        ranks = torch.tensor(case.rank_order).reshape(case.mesh_shape)
+        _PERMUTED_MESHES[key] = DeviceMesh(ctx.device.type, ranks, mesh_dim_names=ctx.mesh.mesh_dim_names)
+    return _PERMUTED_MESHES[key]
+
+
 def _rank_body(ctx, case: Case):
     """Build, run and check ``case`` on this rank; return its findings (``"invalid"`` if
     the op refuses the inputs even on one process)."""
+    ctx = dataclasses.replace(ctx, mesh=_mesh_of(ctx, case))
     op = OPS[case.op]
     dtype = DTYPES[case.dtype]
     fulls = [_global(desc, dtype, case.seed + 7919 * i) for i, desc in enumerate(case.inputs)]

@@ -7,7 +7,8 @@ Hypothesis can shrink a failing case like any other value.
 
 What a case varies:
 
-- the mesh: world sizes 1-4 (1-D ``("domain",)``) and the 2x2 ``("ddp", "domain")`` mesh;
+- the mesh: world sizes 1-4 (1-D ``("domain",)``) and the 2x2 ``("ddp", "domain")`` mesh,
+  with its ranks in increasing order or (:func:`permuted`) in any order;
 - per sharded input, its placements (any dim, Replicate, nested sharding of one dim
   over both mesh dims) and the explicit size of every shard, empty ones included;
 - per rank, the *memory* layout of its local tensor (:data:`MEMORY_LAYOUTS`): the
@@ -19,7 +20,7 @@ What a case varies:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -82,6 +83,9 @@ class Case:
     requires_grad: bool
     seed: int
     args: dict = field(default_factory=dict)
+    #: The mesh's global ranks in coordinate order (row-major), the same on every rank; None:
+    #: the harness's mesh (ranks in increasing order).
+    rank_order: tuple[int, ...] | None = None
 
 
 def dims(max_ndim=3, min_ndim=0, max_extent=5, min_extent=0):
@@ -142,3 +146,15 @@ def cases(draw, ops: dict, meshes=MESHES):
     requires_grad = op.grad and draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
     return Case(name, world_size, mesh_shape, tuple(inputs), dtype, requires_grad, seed, args)
+
+
+@st.composite
+def permuted(draw, ops: dict, meshes=MESHES[1:]):
+    """A :class:`Case` on a mesh that lists its ranks in a drawn order (``DeviceMesh("cpu", [3, 2, 1, 0])``).
+
+    A mesh coordinate then differs from the rank in the mesh dim's process group, which
+    numbers its members by increasing global rank whatever the mesh's order.
+    """
+    case = draw(cases(ops, meshes))
+    order = tuple(draw(st.permutations(range(case.world_size))))
+    return replace(case, rank_order=order)

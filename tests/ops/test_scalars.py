@@ -8,7 +8,7 @@ error on every rank.
 
 import pytest
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from physicsnemo_dp import count_collectives, scatter_tensor
 from tests._harness import distributed

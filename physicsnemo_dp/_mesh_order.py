@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _torch_compat
+
 __all__ = ["Line", "line", "coordinate"]
 
 
@@ -59,6 +61,7 @@ def coordinate(mesh: DeviceMesh, mesh_dim: int) -> int:
     return line(mesh, mesh_dim).me
 
 
+@_torch_compat.on_real_tensors  # first asked while torch.compile traces: mesh.mesh must not meet fake modes
 def _measure(mesh: DeviceMesh, mesh_dim: int) -> Line:
     coord = mesh.get_coordinate()
     if coord is None:

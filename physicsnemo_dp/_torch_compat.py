@@ -290,13 +290,15 @@ def _restored(out: torch.Tensor, restore) -> torch.Tensor:
 # a traced backward keeps the views and casts next to it. Split lists, gathered
 # order and ``src_group_rank`` are in *group-rank* order, as the backend reads
 # them; :mod:`physicsnemo_dp.collectives` translates from mesh coordinates.
-def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_dim):
+def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_dim, finish=None):
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)
         if _eager(wire) and wire.ndim:
             out = wire.new_empty((sum(output_split_sizes), *wire.shape[1:]))
-            torch.distributed.all_to_all_single(out, wire.contiguous(), list(output_split_sizes),
-                                                list(input_split_sizes), group=mesh.get_group(mesh_dim))
+            group = mesh.get_group(mesh_dim)
+            _finish(torch.distributed.all_to_all_single(out, wire.contiguous(), list(output_split_sizes),
+                                                        list(input_split_sizes), group=group, async_op=True),
+                    group, "all_to_all", finish)
         else:
             out = wait(
                 funcol.all_to_all_single(
@@ -306,14 +308,16 @@ def all_to_all_single(tensor, output_split_sizes, input_split_sizes, mesh, mesh_
         return _restored(out, restore)
 
 
-def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim):
+def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim, finish=None):
     gather_dim %= max(tensor.ndim, 1)  # counted from the front: a complex stand-in has one more (trailing) dim
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)
         if _eager(wire) and wire.ndim:
             size = mesh.size(mesh_dim)
             out = wire.new_empty((size * wire.shape[0], *wire.shape[1:]))  # the pieces one after another
-            torch.distributed.all_gather_single(out, wire.contiguous(), group=mesh.get_group(mesh_dim))
+            group = mesh.get_group(mesh_dim)
+            _finish(torch.distributed.all_gather_single(out, wire.contiguous(), group=group, async_op=True),
+                    group, "all_gather", finish)
             if gather_dim:
                 out = torch.cat(out.view(size, *wire.shape).unbind(0), gather_dim)  # also for empty pieces
         else:
@@ -321,27 +325,39 @@ def all_gather_tensor(tensor, gather_dim, mesh, mesh_dim):
         return _restored(out, restore)
 
 
-def all_reduce(tensor, reduce_op: str, mesh, mesh_dim):
+def all_reduce(tensor, reduce_op: str, mesh, mesh_dim, finish=None):
     with _in_its_pass():
         wire, op, restore = _reduction_wire(tensor, reduce_op, mesh, mesh_dim)
         if _eager(wire) and op in _REDUCE_OPS:
             out = wire.clone(memory_format=torch.contiguous_format)  # what the functional op allocates too
-            torch.distributed.all_reduce(out, op=_REDUCE_OPS[op], group=mesh.get_group(mesh_dim))
+            group = mesh.get_group(mesh_dim)
+            _finish(torch.distributed.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True),
+                    group, "all_reduce", finish)
         else:
             out = wait(funcol.all_reduce(wire, op, _group(mesh, mesh_dim)))
         return _restored(out, restore)
 
 
-def broadcast(tensor, src_group_rank: int, mesh, mesh_dim):
+def broadcast(tensor, src_group_rank: int, mesh, mesh_dim, finish=None):
     # The functional op takes the source's rank *within the group*.
     with _in_its_pass():
         wire, restore = _same_size_wire(tensor)
         if _eager(wire):
             out = wire.clone(memory_format=torch.contiguous_format)
-            torch.distributed.broadcast(out, group=mesh.get_group(mesh_dim), group_src=src_group_rank)
+            group = mesh.get_group(mesh_dim)
+            _finish(torch.distributed.broadcast(out, group=group, group_src=src_group_rank, async_op=True),
+                    group, "broadcast", finish)
         else:
             out = wait(funcol.broadcast(wire, src_group_rank, _group(mesh, mesh_dim)))
         return _restored(out, restore)
+
+
+def _finish(work, group, kind: str, finish) -> None:
+    """Wait for an eager collective: through ``finish(work, group, kind)`` when given (the stall check)."""
+    if finish is None:
+        work.wait()
+    else:
+        finish(work, group, kind)
 
 
 def _eager(tensor: torch.Tensor) -> bool:

@@ -47,7 +47,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _mesh_order
+from . import _mesh_order, _stall
 from . import _torch_compat as tc
 
 __all__ = ["CommCounter", "count_collectives"]
@@ -145,12 +145,12 @@ def all_to_all_v(
     if mesh.size(mesh_dim) == 1:
         return chunks_in
     if line.to_group is None:
-        return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim)
+        return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim, _stall.wait)
     # The backend takes and returns pieces in group-rank order: reorder both ways (one copy each).
     in_group = [in_splits[c] for c in line.to_coord]
     out_group = [out_splits[c] for c in line.to_coord]
     received = tc.all_to_all_single(
-        _reordered(chunks_in, in_splits, line.to_coord), out_group, in_group, mesh, mesh_dim
+        _reordered(chunks_in, in_splits, line.to_coord), out_group, in_group, mesh, mesh_dim, _stall.wait
     )
     return _reordered(received, out_group, line.to_group)
 
@@ -276,11 +276,11 @@ def all_gather_v(
     flat = local.contiguous().reshape(-1)  # no copy for a contiguous shard
     arriving = sizes if line.to_coord is None else [sizes[c] for c in line.to_coord]  # in group-rank order
     if len(set(sizes)) == 1:
-        received = tc.all_gather_tensor(flat, 0, mesh, mesh_dim)
+        received = tc.all_gather_tensor(flat, 0, mesh, mesh_dim, _stall.wait)
     else:
         block = _block_numel(local.shape, dim)
         send = flat.repeat(group)  # the shard once per destination, contiguous as the backend reads it
-        received = tc.all_to_all_single(send, [s * block for s in arriving], [flat.numel()] * group, mesh, mesh_dim)
+        received = tc.all_to_all_single(send, [s * block for s in arriving], [flat.numel()] * group, mesh, mesh_dim, _stall.wait)
     return _concat(received, local.shape, arriving, dim, line.to_group)
 
 
@@ -377,7 +377,7 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim:
     if group == 1:
         return tensor
     op = "sum" if reduce_op == "avg" else reduce_op
-    out = tc.all_reduce(tensor.contiguous(), op, mesh, mesh_dim)
+    out = tc.all_reduce(tensor.contiguous(), op, mesh, mesh_dim, _stall.wait)
     return _finish_reduce(out, reduce_op, group)
 
 
@@ -390,7 +390,7 @@ def broadcast(tensor: torch.Tensor, src: int, mesh: DeviceMesh, mesh_dim: int) -
     _record("broadcast", n * (group - 1) if me == src else 0, 0 if me == src else n, mesh, mesh_dim)
     if group == 1:
         return tensor
-    return tc.broadcast(tensor.contiguous(), src if line.to_group is None else line.to_group[src], mesh, mesh_dim)
+    return tc.broadcast(tensor.contiguous(), src if line.to_group is None else line.to_group[src], mesh, mesh_dim, _stall.wait)
 
 
 def gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:

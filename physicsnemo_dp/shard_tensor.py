@@ -13,13 +13,13 @@ tensor never requires grad, so gradients of ShardTensors are ShardTensors.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from . import _agreement, _layout, promotion
+from . import _agreement, _layout, _stall, promotion
 from ._conversion import Contiguous, FromLocal, Redistribute, ToLocal
 from ._redistribute import grad_layout, redistribute_local, target_layout
 from ._torch_compat import (
@@ -213,7 +213,7 @@ class ShardTensor(torch.Tensor):
         if checks_enabled():
             _agreement.verify("from_spec", spec.mesh, local_tensor, spec, error)
         elif error is not None:
-            raise error
+            raise _stall.raised_alone(error)
         if not local_tensor.requires_grad:  # nothing to record: skip the autograd Function (~8 us)
             return ShardTensor(local_tensor, spec, requires_grad=False)
         return FromLocal.apply(local_tensor, spec)
@@ -285,11 +285,14 @@ class ShardTensor(torch.Tensor):
             )
         if placements is None:
             raise PlacementError("redistribute needs placements=")
-        layout = target_layout(self._spec, placements)
+        layout, error = _agreement.with_checked_arguments(lambda: target_layout(self._spec, placements))
+        if error is not None:  # the same on every rank when every rank passed the same placements
+            raise _stall.raised_alone(error)
         dst = self._spec.with_layout(layout.placements, layout.dim_sizes)
         if dst == self._spec:
             return self
-        return Redistribute.apply(self, dst)
+        with _stall.activity(_Move(self._spec, dst)):
+            return Redistribute.apply(self, dst)
 
     # ---------------------------------------------------------- metadata
     @property
@@ -443,8 +446,19 @@ def _from_local(local_tensor, device_mesh, placements, sharding_shapes, global_s
         mode = "from_local(sharding_shapes={...})" if isinstance(sharding_shapes, dict) else 'from_local(sharding_shapes="chunk")'
         _agreement.verify(mode, mesh, local_tensor, spec, error)
     elif error is not None:
-        raise error
+        raise _stall.raised_alone(error)
     return FromLocal.apply(local_tensor, spec)
+
+
+class _Move(NamedTuple):
+    """A redistribution as a stall report names it (formatted only if a collective stalls)."""
+
+    src: ShardTensorSpec
+    dst: ShardTensorSpec
+
+    def __str__(self) -> str:
+        shape = tuple(self.src.global_shape)
+        return f"redistribute of a {shape} tensor from {tuple(self.src.placements)} to {tuple(self.dst.placements)}"
 
 
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,65 @@
+"""What the stall check costs a redistribution that completes: the ratio to the same call with it off.
+
+Every eager collective is waited for in slices (``PDP_STALL_SECONDS``, see
+``physicsnemo_dp/_stall.py``) instead of in one blocking call; nothing else
+changes on a collective that completes. The baseline, measured in the same
+run, is the same redistribution with ``PDP_STALL_SECONDS=0`` (one plain
+``wait``, which is what the backend's blocking call does inside). Small
+tensors show the fixed cost per collective, large ones that the data path is
+untouched. Wall time and CPU time (this process, all threads) per call,
+fastest of interleaved rounds, all ranks started together: on a shared
+machine the CPU ratio is the steadier figure. ``python -m benchmarks.stall_check`` prints the table
+(3 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from physicsnemo_dp import launch, scatter_tensor
+
+from ._timing import fastest_by, repeated
+
+CASES = {  # name -> (global shape, target placements, calls per run)
+    "Shard(0)->Replicate, 4 KB": ((32, 32), (Replicate(),), 200),
+    "Shard(0)->Shard(1), 4 KB": ((32, 32), (Shard(1),), 200),
+    "Shard(0)->Replicate, 12 MB": ((3072, 1024), (Replicate(),), 5),
+    "Shard(0)->Shard(1), 12 MB": ((3072, 1024), (Shard(1),), 5),
+}
+
+
+def _with_stall_check(on: bool, fn):
+    def run():
+        os.environ["PDP_STALL_SECONDS"] = "10" if on else "0"  # read at every collective
+        fn()
+
+    return run
+
+
+def _measure(mesh, rounds: int = 15) -> dict[str, tuple[float, float]]:
+    """Per case, (wall, CPU) time with the check divided by time without it."""
+    ratios = {}
+    for name, (shape, target, calls) in CASES.items():
+        x = scatter_tensor(torch.randn(shape), 0, mesh, (Shard(0),))
+        move = repeated(lambda x=x, target=target: x.redistribute(placements=target), calls)
+        runs = {"off": _with_stall_check(False, move), "on": _with_stall_check(True, move)}
+        best = fastest_by(runs, rounds, (time.perf_counter, time.process_time))
+        ratios[name] = tuple(on / off for on, off in zip(best["on"], best["off"]))
+    os.environ.pop("PDP_STALL_SECONDS", None)
+    return ratios
+
+
+def main() -> None:
+    ratios = launch(_measure, 3, echo=False)
+    print("redistribution time with the stall check / without it (3 gloo ranks, same run)")
+    print(f"  {'':28s} {'wall':>6s} {'CPU':>6s}")
+    for name, (wall, cpu) in ratios.items():
+        print(f"  {name:28s} {wall:6.3f} {cpu:6.3f}")
+
+
+if __name__ == "__main__":
+    main()

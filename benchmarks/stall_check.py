@@ -8,7 +8,10 @@ run, is the same redistribution with ``PDP_STALL_SECONDS=0`` (one plain
 tensors show the fixed cost per collective, large ones that the data path is
 untouched. Wall time and CPU time (this process, all threads) per call,
 fastest of interleaved rounds, all ranks started together: on a shared
-machine the CPU ratio is the steadier figure. ``python -m benchmarks.stall_check`` prints the table
+machine the CPU ratio is the steadier figure. The fixed cost itself is
+timed apart, on one rank where the collective is trivial: CPU time of the
+calling thread to post and wait for a 16-float all-reduce, plain ``wait``
+against the stall check's ``wait``. ``python -m benchmarks.stall_check`` prints the table
 (3 gloo ranks).
 """
 
@@ -53,7 +56,24 @@ def _measure(mesh, rounds: int = 15) -> dict[str, tuple[float, float]]:
     return ratios
 
 
+def _fixed_cost(mesh, calls: int = 3000, rounds: int = 7) -> dict[str, float]:
+    """Microseconds of calling-thread CPU per posted all-reduce, waited for plainly or by the stall check."""
+    import torch.distributed as dist
+
+    from physicsnemo_dp import _stall
+
+    group, t = dist.group.WORLD, torch.ones(16)
+    waits = {
+        "plain wait": lambda: dist.all_reduce(t, async_op=True).wait(),
+        "stall-check wait": lambda: _stall.wait(dist.all_reduce(t, async_op=True), group, "all_reduce"),
+    }
+    best = fastest_by({name: repeated(fn, calls) for name, fn in waits.items()}, rounds, (time.thread_time,))
+    return {name: b[0] / calls * 1e6 for name, b in best.items()}
+
+
 def main() -> None:
+    fixed = launch(_fixed_cost, 1, echo=False)
+    print("CPU per collective, posted and waited for on one rank: " + ", ".join(f"{k} {v:.1f} us" for k, v in fixed.items()))
     ratios = launch(_measure, 3, echo=False)
     print("redistribution time with the stall check / without it (3 gloo ranks, same run)")
     print(f"  {'':28s} {'wall':>6s} {'CPU':>6s}")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 from contextvars import ContextVar
@@ -70,7 +71,17 @@ _left_failure = False
 
 def interval() -> float:
     """Seconds a collective waits before looking for a diverged or failed peer (0: never)."""
-    value = os.environ.get(_ENV, "").strip()
+    return _parsed(os.environ.get(_ENV, ""))[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(value: str) -> tuple[float, datetime.timedelta]:
+    """``(seconds, the same as a timedelta)`` of a ``PDP_STALL_SECONDS`` value (read at every collective)."""
+    seconds = _seconds(value.strip())
+    return seconds, datetime.timedelta(seconds=seconds)
+
+
+def _seconds(value: str) -> float:
     if not value:
         return _DEFAULT_SECONDS
     try:
@@ -124,14 +135,14 @@ def wait(work, group, kind: str) -> None:
     global _left_failure
     name = group.group_name
     call = _issued[name] = _issued.get(name, 0) + 1
-    seconds = interval()
-    if not seconds or not _blocks_cpu(group):
+    seconds, slice_ = _parsed(os.environ.get(_ENV, ""))
+    if not seconds or not _blocks_cpu(name, group):
         work.wait()
         return
     try:
-        work.wait(timeout=datetime.timedelta(seconds=seconds))
+        work.wait(timeout=slice_)
     except RuntimeError as error:
-        _stalled(work, group, kind, call, seconds, error)
+        _stalled(work, group, kind, call, slice_, error)
     if _left_failure:  # this rank went on after raising alone: its old message must not blame it later
         _left_failure = False
         store = _store()
@@ -139,7 +150,7 @@ def wait(work, group, kind: str) -> None:
             store.delete_key(f"{_PREFIX}/failed/{dist.get_rank()}")
 
 
-def _stalled(work, group, kind: str, call: int, seconds: float, first: RuntimeError) -> None:
+def _stalled(work, group, kind: str, call: int, slice_: datetime.timedelta, first: RuntimeError) -> None:
     store = _store()
     if store is None:
         raise first
@@ -156,7 +167,7 @@ def _stalled(work, group, kind: str, call: int, seconds: float, first: RuntimeEr
         if not _timed_out(error):  # a peer is gone and left no word: the backend's error stands
             raise error
         try:
-            work.wait(timeout=datetime.timedelta(seconds=seconds))
+            work.wait(timeout=slice_)
         except RuntimeError as again:
             error = again
         else:
@@ -207,8 +218,7 @@ def _timed_out(error: RuntimeError) -> bool:
     return "timed out" in str(error).lower()
 
 
-def _blocks_cpu(group) -> bool:
-    name = group.group_name
+def _blocks_cpu(name: str, group) -> bool:
     if name not in _BLOCKING:
         _BLOCKING[name] = str(dist.get_backend(group)) == "gloo"
     return _BLOCKING[name]

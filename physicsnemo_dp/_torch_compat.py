@@ -113,6 +113,23 @@ class Function(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(*args)
 
 
+def is_zero_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is one of autograd's storage-less ZeroTensors (``_efficientzerotensor``)."""
+    return tensor._is_zerotensor()
+
+
+@contextlib.contextmanager
+def python_dispatch_excluded():
+    """Ops inside skip the Python dispatch key: on a wrapper subclass they change the wrapper's own metadata.
+
+    ``__torch_dispatch__`` of an in-place view op (``squeeze_``, ``unsqueeze_``)
+    uses it to give the wrapper its new global shape after the local tensor
+    changed; without it the call would re-enter ``__torch_dispatch__``.
+    """
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        yield
+
+
 def non_differentiable(ctx, *outputs) -> None:
     """Mark ``outputs`` of a Function as carrying no gradient, and keep autograd from zero-filling theirs.
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from . import attention, graph, spatial
 from .dispatch import table
-from .rules import dim_ops, fft, indexing, joins, matmul, pointwise, random, reductions, scalars, tensor_like, views
+from .rules import (
+    dim_ops, fft, indexing, joins, matmul, pointwise, random, reductions, scalars, shape_ops, tensor_like, views,
+)
 
 __all__ = ["FAMILIES"]
 
 #: Later families win where two name the same op.
 FAMILIES = (
-    tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, graph, fft, spatial, attention,
+    tensor_like, pointwise, reductions, views, joins, shape_ops, matmul, dim_ops, indexing, graph, fft, spatial, attention,
     random, scalars,
 )
 

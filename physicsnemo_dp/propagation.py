@@ -53,7 +53,10 @@ from . import _layout
 from ._plan import Layout, plan as _plan_steps
 from .spec import ShardTensorSpec
 
-__all__ = ["CommStep", "OpPlan", "cached", "collective_step", "freeze", "plan", "redistribution_steps", "replicated", "register"]
+__all__ = [
+    "CommStep", "OpPlan", "cached", "collective_step", "freeze", "is_elementwise", "plan", "redistribution_steps",
+    "replicated", "register",
+]
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,34 @@ _PROPAGATORS: dict = {}
 _POINTWISE: list = []
 
 
+_ELEMENTWISE: dict = {}
+
+
+def is_elementwise(op) -> bool:
+    """Whether ``op`` belongs to the pointwise family by its tag: ATen's ``pointwise`` tag and only tensor results.
+
+    The tag alone is not enough: ``aten.equal`` is tagged pointwise and returns
+    a Python bool, which no elementwise rule can wrap (its own family,
+    ``rules/scalars.py``, answers it). Memoised per op.
+    """
+    try:
+        return _ELEMENTWISE[op]
+    except (KeyError, TypeError):
+        pass
+    schema = getattr(op, "_schema", None)
+    result = (
+        torch.Tag.pointwise in getattr(op, "tags", ())
+        and schema is not None
+        and bool(schema.returns)
+        and all(str(r.type) == "Tensor" for r in schema.returns)
+    )
+    try:
+        _ELEMENTWISE[op] = result
+    except TypeError:
+        pass
+    return result
+
+
 def register(propagators: dict) -> None:
     """Install the families' propagators (``{op: fn(op, args, kwargs) -> OpPlan}``); replaces the previous set.
 
@@ -312,7 +343,7 @@ def plan(op, *args, **kwargs) -> OpPlan:
         NotImplementedError: the op's family plans inline while it runs (see the module docstring).
     """
     fn = _PROPAGATORS.get(op) or _PROPAGATORS.get(getattr(op, "overloadpacket", None))
-    if fn is None and _POINTWISE and torch.Tag.pointwise in getattr(op, "tags", ()):
+    if fn is None and _POINTWISE and is_elementwise(op):
         fn = _POINTWISE[0]
     if fn is None:
         raise NotImplementedError(

@@ -192,6 +192,33 @@ def grad_like(result, spec):
     return wrap(redistribute_local(result._local_tensor, src, dst), dst)
 
 
+def plain_gradient(g: torch.Tensor, spec):
+    """A plain tensor that autograd delivers as the gradient of a ShardTensor of layout ``spec``, as a ShardTensor.
+
+    Some backward formulas build their result with a factory that has no
+    tensor argument (``at::zeros(self.sizes())``, ``_efficientzerotensor``:
+    e.g. ``repeat`` with a zero repeat, ``normal``'s mean), which never reaches
+    ``__torch_dispatch__`` and yields a plain tensor of the *global* shape.
+    Such a tensor is read as the full gradient held by every rank: this rank's
+    box of it, in the gradient layout of ``spec`` (a ZeroTensor becomes local
+    zeros; nothing global is allocated). Any other shape is this rank's local
+    gradient (a plain tensor assigned to ``.grad`` by hand).
+    """
+    from ._redistribute import grad_layout
+    from ._torch_compat import is_zero_tensor
+
+    target = grad_layout(spec)
+    if tuple(g.shape) != tuple(spec.global_shape):
+        return wrap(g, target)
+    if is_zero_tensor(g):
+        return wrap(torch.zeros(target.local_shape, dtype=g.dtype, device=g.device), target)
+    local = g
+    for d, (offset, n) in enumerate(zip(target.local_offsets(), target.local_shape)):
+        if n != g.shape[d]:
+            local = local.narrow(d, offset, n)
+    return wrap(local, target)
+
+
 # --------------------------------------------------------------------------- #
 # Global metadata of a call
 # --------------------------------------------------------------------------- #

@@ -37,7 +37,7 @@ from .dispatch import registry
 from .dispatch.torch_dispatch import handle_torch_dispatch
 from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
 from .errors import PlacementError
-from .rule_kit import _register_shard_tensor_cls
+from .rule_kit import _register_shard_tensor_cls, plain_gradient
 from .spec import ShardTensorSpec
 
 __all__ = ["ShardTensor"]
@@ -352,16 +352,22 @@ class ShardTensor(torch.Tensor):
         (other shard sizes, another sharded dim); it is redistributed to this
         tensor's layout on first read and stored so. A pending sum (Partial)
         over a mesh dim where this tensor is replicated is kept: it is a valid
-        and cheaper form of the same gradient. A plain tensor assigned by hand
-        is read as this rank's local gradient in this tensor's layout.
+        and cheaper form of the same gradient. A plain tensor of the global
+        shape (one that a backward formula built with a factory, or assigned by
+        hand) is read as the full gradient: this rank's box of it
+        (``rule_kit.plain_gradient``); one of another shape as this rank's local
+        gradient in this tensor's layout.
         """
         with torch_function_disabled():
             g = TensorBase.grad.__get__(self)
         if g is None:
             return None
+        if not isinstance(g, ShardTensor):  # a plain gradient: of the global shape from a backward factory, or by hand
+            g = plain_gradient(g, self._spec)
+            with torch_function_disabled():
+                TensorBase.grad.__set__(self, g)
+            return g
         target = grad_layout(self._spec)
-        if not isinstance(g, ShardTensor):
-            return ShardTensor(g, target, requires_grad=False)
         # A pending sum where this tensor is replicated is a valid, cheaper form of
         # the same gradient (e.g. declared with to_local(grad_placements=[Partial()])).
         kept = tuple(

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from .._torch_compat import run_autograd_engine
-from ..rule_kit import shard_tensor_cls
+from ..rule_kit import plain_gradient, shard_tensor_cls
 from ..spec import ShardTensorSpec
 
 __all__ = ["AUTOGRAD_ENTRIES"]
@@ -61,6 +61,12 @@ def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fa
     result = run_autograd_engine(
         outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
         inputs=inputs, accumulate_grad=False, allow_unused=bool(allow_unused or materialize_grads),
+    )
+    ShardTensor = shard_tensor_cls()
+    result = tuple(
+        plain_gradient(g, x._spec) if isinstance(x, ShardTensor) and isinstance(g, torch.Tensor)
+        and not isinstance(g, ShardTensor) else g
+        for g, x in zip(result, inputs)
     )
     if materialize_grads:
         result = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(result, inputs))

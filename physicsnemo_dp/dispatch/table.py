@@ -25,8 +25,6 @@ User registrations (``ShardTensor.register_*``) always win over these.
 
 from __future__ import annotations
 
-import torch
-
 from .. import propagation
 from . import registry
 
@@ -41,8 +39,8 @@ _POINTWISE: list = []
 def install(families, pointwise_rule) -> None:
     """Fill the table from ``families`` (modules with ``RULES``/``FUNCTIONS``).
 
-    ``pointwise_rule`` serves every ATen op tagged pointwise that no family
-    names. Installing again replaces the contents (idempotent for the same
+    ``pointwise_rule`` serves every ATen op tagged pointwise (with tensor
+    results only: :func:`propagation.is_elementwise`) that no family names. Installing again replaces the contents (idempotent for the same
     families), so the table never mixes two catalogs.
     """
     rules, functions, propagators = {}, {}, {}
@@ -67,7 +65,7 @@ def lookup(func):
     except KeyError:
         pass
     rule = _RULES.get(func) or _RULES.get(getattr(func, "overloadpacket", None))
-    if rule is None and _POINTWISE and torch.Tag.pointwise in getattr(func, "tags", ()):
+    if rule is None and _POINTWISE and propagation.is_elementwise(func):
         rule = _POINTWISE[0]
     _CACHE[func] = rule
     return rule

@@ -59,6 +59,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from .. import _intervals, _layout, collectives
 from .._redistribute import redistribute_local
 from .._reshape import nested_chunks
+from .._torch_compat import torch_function_disabled
 from ..propagation import OpPlan, cached, collective_step, freeze, moves, redistribution_steps, replicated
 from ..rule_kit import normalize_dim, shard_tensor_cls, unshard_target, wrap
 from ..spec import ShardTensorSpec
@@ -418,7 +419,38 @@ RULES: dict = {
     aten.slice_backward.default: _scattered,
     aten.select_backward.default: _scattered,
 }
-FUNCTIONS: dict = {}
+
+
+def _tensor_split(func, types, args, kwargs):
+    """``tensor_split`` with a tensor of indices or sections: read it as Python ints, then split.
+
+    ATen's composite reads the index tensor's data; once promoted to a
+    ShardTensor (it met a ShardTensor) it has no data of its own. The values
+    are read with ``tolist()`` (local for a plain or replicated tensor), torch's
+    checks kept, and the call is repeated with ints: slices of the input.
+    """
+    args, kwargs = list(args), dict(kwargs)
+    key = next((k for k in ("tensor_indices_or_sections", "indices", "sections") if k in kwargs), None)
+    value = kwargs[key] if key is not None else args[1] if len(args) > 1 else None
+    if isinstance(value, torch.Tensor):
+        if value.dtype != torch.long:
+            raise RuntimeError(
+                f"tensor_split expected tensor_indices_or_sections to have dtype of long, but got {value.dtype}"
+            )
+        if value.ndim > 1:
+            raise RuntimeError(
+                "tensor_split expected tensor_indices_or_sections to be a zero-dimensional or one-dimensional "
+                f"tensor, but got a tensor with {value.ndim} dims"
+            )
+        value = value.tolist()
+        if key is not None:
+            del kwargs[key]
+        args[1:2] = [value]
+    with torch_function_disabled():
+        return func(*args, **kwargs)
+
+
+FUNCTIONS: dict = {torch.tensor_split: _tensor_split, torch.Tensor.tensor_split: _tensor_split}
 
 #: ``propagation.plan`` entries: every op of this family plans apart from execution.
 PROPAGATORS: dict = dict.fromkeys(_PLANNERS, _propagate_entry)

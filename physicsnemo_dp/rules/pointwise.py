@@ -39,7 +39,7 @@ from ..propagation import OpPlan, redistribution_steps
 from ..rule_kit import broadcast_shape, replicated_to_box, shard_tensor_cls, wrap
 from ..spec import ShardTensorSpec
 
-_ADDITIVE = {"add", "add_", "sub", "sub_", "complex"}
+_ADDITIVE = {"add", "add_", "sub", "sub_", "rsub", "complex"}
 #: Linear in their one pending operand (conjugation too: conj(a + b) = conj(a) + conj(b)).
 _SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_", "_neg_view", "_conj", "_conj_physical", "conj_physical_"}
 
@@ -319,6 +319,56 @@ def _wrap_result(result, spec):
 
 aten = torch.ops.aten
 
+
+# --------------------------------------------------------------------------- #
+# fill: every element becomes the value, so the input's values are never needed
+# --------------------------------------------------------------------------- #
+def _fill_value(value):
+    """The fill value as this rank can use it: a 0-d ShardTensor's local value, its pending sum done."""
+    if isinstance(value, shard_tensor_cls()):
+        if value.ndim:
+            raise RuntimeError(f"fill: the value must be a 0-dimensional tensor, not one of shape {tuple(value.shape)}")
+        spec = value._spec
+        if spec.has_partial:
+            replicated = spec.with_layout(tuple(Replicate() if p.is_partial() else p for p in spec.placements), spec.dim_sizes)
+            return redistribute_local(value._local_tensor, spec, replicated)
+        return value._local_tensor
+    return value
+
+
+def _without_partial(spec):
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    return spec if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
+
+
+def _fill(func, args, kwargs):
+    """``torch.fill(x, v)`` / ``x.fill_(v)``: the input's layout, without its pending sums (nothing moves).
+
+    A pending sum of ``x`` is dropped rather than reduced (every element is
+    overwritten); a 0-d ShardTensor value is reduced if pending (one
+    all-reduce of one element).
+    """
+    x, value = args
+    if not isinstance(x, shard_tensor_cls()):  # a plain tensor filled with a ShardTensor value
+        return func(x, _fill_value(value), **kwargs)
+    spec = _without_partial(x._spec)
+    local = func(x._local_tensor, _fill_value(value), **kwargs)
+    if _is_mutable(func):
+        x._spec = spec
+        return x
+    return wrap(local, spec)
+
+
+def _propagate_fill(func, args, kwargs) -> OpPlan:
+    x, value = args[0], args[1] if len(args) > 1 else kwargs.get("value")
+    steps = ()
+    if isinstance(value, ShardTensorSpec) and value.has_partial:
+        steps = redistribution_steps(value, _without_partial(value), 1)
+    return OpPlan((_without_partial(x),), steps, (None, None))
+
+
+_FILLS = (aten.fill.Scalar, aten.fill.Tensor, aten.fill_.Scalar, aten.fill_.Tensor)
+
 #: Elementwise ops that lack ATen's ``pointwise`` tag (``_conj``/``_neg_view``: the lazy views behind
 #: ``conj()`` and ``imag`` of a conjugate; the constructor resolves the bit they set, see above).
 RULES: dict = {
@@ -340,8 +390,14 @@ RULES: dict = {
         aten.softplus_backward.default,
         aten.softshrink_backward.default,
         aten.hardshrink_backward.default,
+        aten.rsub.Tensor,
+        aten.floor_divide.default,
+        aten.floor_divide.Scalar,
+        aten.floor_divide_.Tensor,
+        aten.floor_divide_.Scalar,
     )
 }
+RULES.update(dict.fromkeys(_FILLS, _fill))
 
 # --------------------------------------------------------------------------- #
 # Function-level fast path: elementwise calls that record no gradient
@@ -408,5 +464,23 @@ _ELEMENTWISE = (
 )
 FUNCTIONS: dict = {f: _elementwise_handler for f in _ELEMENTWISE}
 
+
+def _sgn(func, types, args, kwargs):
+    """``torch.sgn`` of a real tensor is ``torch.sign``, whose backward is ``zeros_like(grad)``.
+
+    ATen's backward of ``sgn`` on a real input is ``_efficientzerotensor(self.sizes())``:
+    a factory without tensor arguments, so it never reaches a ShardTensor and
+    returns a plain tensor of the *global* shape. ``sign`` gives the same values
+    and a gradient laid out like the input. Complex inputs keep ``sgn`` (their
+    backward is a pointwise formula).
+    """
+    x = args[0]
+    if isinstance(x, torch.Tensor) and not x.is_complex():
+        return _usual(torch.sign, args, kwargs)
+    return _usual(func, args, kwargs)
+
+
+FUNCTIONS.update({torch.sgn: _sgn, torch.Tensor.sgn: _sgn})
+
 #: ``propagation.plan`` entry of this family; ``"pointwise"`` also serves every ATen op tagged pointwise.
-PROPAGATORS: dict = {"pointwise": propagate, **{op: propagate for op in RULES}}
+PROPAGATORS: dict = {"pointwise": propagate, **{op: propagate for op in RULES}, **dict.fromkeys(_FILLS, _propagate_fill)}

@@ -75,7 +75,7 @@ def _copy_(func, args, kwargs):
 
 
 def _in_place_fill(func, args, kwargs):
-    """``zero_``/``fill_``: every element becomes known, so pending reductions are gone."""
+    """``zero_``: every element becomes known, so pending reductions are gone."""
     x, *rest = args
     func(x._local_tensor, *rest, **kwargs)
     x._spec = _without_partial(x._spec)
@@ -112,6 +112,5 @@ RULES = {
         )
     },
     aten.copy_.default: _copy_,
-    aten.zero_.default: _in_place_fill,
-    aten.fill_.Scalar: _in_place_fill,
+    aten.zero_.default: _in_place_fill,  # fill/fill_: rules/pointwise.py (a ShardTensor value may be pending)
 }

@@ -111,3 +111,37 @@ def test_dtype_casts_and_like_factories(ctx):
         assert y._spec.dim_sizes == spec.dim_sizes and torch.equal(y.full_tensor(), torch.full(SHAPE, v, dtype=torch.float64))
     assert torch.equal(torch.full_like(x, 3.0).full_tensor(), torch.full(SHAPE, 3.0, dtype=torch.float64))
     assert (x > 0).dtype == torch.bool and torch.equal((x > 0).full_tensor(), _g() > 0)
+
+
+@distributed(world_sizes=OP_WORLD_SIZES)
+def test_rsub_floor_divide_fill_sgn(ctx):
+    """rsub, floor_divide and fill through the pointwise family; sgn's gradient laid out like its input."""
+    mesh = ctx.mesh
+    scalar = torch.tensor(1.5, dtype=torch.float64)
+    grads = [
+        lambda x: torch.rsub(x, 2.0), lambda x: torch.rsub(x, x.exp(), alpha=2), lambda x: 1.0 - x,
+        lambda x: torch.fill(x, 2.0), lambda x: torch.fill(x, scalar) * x, lambda x: (x * 1).fill_(-1.0) + x,
+        lambda x: (x * 2).fill_(scalar), torch.sgn, lambda x: torch.sgn(x * 2) + x, lambda x: x.sgn().sum(),
+    ]
+    no_grad = [lambda x: torch.floor_divide(x, 0.3), lambda x: torch.floor_divide(x * 7, x.abs() + 1),
+               lambda x: (x * 5).floor_divide_(2.0), lambda x: x // 0.25]
+    for placements in layouts(mesh, 3, partial=True):
+        for i, fn in enumerate(grads):
+            check(fn, [(_g(), placements)], mesh, label=f"rsub/fill/sgn[{i}]")
+        for i, fn in enumerate(no_grad):
+            check(fn, [(_g(), placements)], mesh, grad=False, label=f"floor_divide[{i}]")
+    # fill drops a pending sum without reducing it; a pending 0-d value is reduced (one tiny all-reduce)
+    pspec = make_spec(mesh, [Partial()] * mesh.ndim, SHAPE)
+    x = shard_from_global(_g(), pspec)
+    with count_collectives() as counter:
+        y = torch.fill(x, 3.0)
+        x.fill_(1.0)
+    assert counter.total_calls == 0 and not y._spec.has_partial and not x._spec.has_partial
+    assert torch.equal(y.full_tensor(), torch.full(SHAPE, 3.0, dtype=torch.float64))
+    value = shard_from_global(torch.tensor(2.0, dtype=torch.float64), make_spec(mesh, [Partial()] * mesh.ndim, ()))
+    assert torch.equal(torch.fill(x, value).full_tensor(), torch.full(SHAPE, 2.0, dtype=torch.float64))
+    # an op tagged pointwise with a non-tensor result is not an elementwise op
+    from physicsnemo_dp import propagation
+
+    assert propagation.is_elementwise(torch.ops.aten.mul.Tensor)
+    assert not propagation.is_elementwise(torch.ops.aten.equal.default)

@@ -37,7 +37,7 @@ from torch import nn
 from physicsnemo_dp import bucket_gradients, count_collectives
 from physicsnemo_dp.promotion import clear_gradient_buckets
 
-from . import _models, _random, _spectral
+from . import _models, _random_draws, _spectral
 from ._record import Result, over_ranks
 from ._timing import fastest_by
 
@@ -86,7 +86,7 @@ def run(mesh, rows: int, cols: int, width: int, seq: int, dim: int, tokens: int,
         if name == "conv net":
             results.append(_halo_vs_interior(net, inputs["strong"][1], P))
     results += _spectral.fno_strong_scaling(mesh, fno_grid, width, max(2, fno_grid // 32), rounds)
-    results += _random.draw_cost(mesh, rows, cols, rounds)
+    results += _random_draws.draw_cost(mesh, rows, cols, rounds)
     if compare_dtensor:
         pair = _models.mlp_pair(mesh, tokens, dim)
         t = _step_times({kind: (lambda n=n, x=x: _models.train_step(n, x)) for kind, (n, x) in pair.items()}, rounds, P)

@@ -20,6 +20,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -46,10 +47,15 @@ def wanted_stamp() -> str:
     return f"{TORCH} pyproject.toml sha256={digest}\n"
 
 
-def pip_install(*args: str) -> None:
-    command = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
+def pip_install(step: str, *args: str) -> None:
+    """One install step: says what it installs, lets pip print its own progress, then says how long it took."""
+    say(step)
+    start = time.monotonic()
+    # Not -q: pip's "Collecting ..." lines and download bars are the progress of a step that takes minutes.
+    command = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
     if subprocess.call(command, cwd=ROOT) != 0:
         sys.exit(f"[run.py] failed: {' '.join(command)}")
+    say(f"done in {time.monotonic() - start:.0f} s")
 
 
 def setup() -> None:
@@ -62,10 +68,10 @@ def setup() -> None:
     if STAMP.exists() and STAMP.read_text() == stamp:
         say("environment up to date (pyproject.toml unchanged)")
         return
-    say(f"installing {TORCH} (CPU wheels by default; this can take minutes)")
-    pip_install(TORCH)
-    say('installing the project: pip install -e ".[test,plot]"')
-    pip_install("-e", ".[test,plot]")
+    pip_install(f"step 1/2: installing {TORCH} (CPU wheels by default; this can take minutes)", TORCH)
+    pip_install(
+        'step 2/2: installing the project and its test extras: pip install -e ".[test,plot]"', "-e", ".[test,plot]"
+    )
     STAMP.write_text(stamp)
     say("environment ready")
 

@@ -912,6 +912,29 @@ class StepWatchdog:
         os._exit(1)
 
 
+class DataProgress:
+    """Progress of rank 0's data generation: one line per 10 % of the samples (and the last), with the time so far.
+
+    ``done(k)`` after the k-th of ``total`` samples prints
+    ``  train: 4/16 meshes (25 %), 3.1 s`` when k crosses the next tenth;
+    ``finish()`` prints the total time. Data generation takes tens of seconds
+    before the first step, so the run says what it is doing meanwhile.
+    """
+
+    def __init__(self, total: int, what: str):
+        self.total, self.what, self.start, self.shown = total, what, time.perf_counter(), 0
+
+    def done(self, k: int) -> None:
+        tenth = (10 * k) // max(self.total, 1)
+        if tenth > self.shown or k == self.total:
+            self.shown = tenth
+            print(f"  {k}/{self.total} {self.what} ({100 * k // max(self.total, 1)} %), "
+                  f"{time.perf_counter() - self.start:.1f} s", flush=True)  # fmt: skip
+
+    def finish(self) -> None:
+        print(f"  {self.what}: done in {time.perf_counter() - self.start:.1f} s", flush=True)
+
+
 def cosine_schedule(optimizer, steps: int, warmup: int = 5):
     """Linear warm-up, then cosine decay to 5 % of the peak over ``steps``."""
 

@@ -93,11 +93,14 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[list[Path], list[
             print(f"generating {len(targets)} {split} plates of {args.around * (args.rings + 1)} nodes in {folder}",
                   flush=True)
             seed = args.seed * 100_000 + (50_000 if split == "test" else 0)
-            for path, mesh in zip(targets, plate_with_hole(len(targets), args.around, args.rings, seed=seed)):
+            progress = _common.DataProgress(len(targets), f"{split} plates")
+            meshes = plate_with_hole(len(targets), args.around, args.rings, seed=seed)
+            for k, (path, mesh) in enumerate(zip(targets, meshes), 1):
                 raw = write_mesh_input(path.with_suffix(".npz"), mesh)  # what a mesher's export would be
                 points, fields, cells = load_mesh_input(raw)
                 prepare_mesh(path, points, fields, cells)
                 raw.unlink()
+                progress.done(k)
     dist.barrier()
     return paths["train"], paths["test"]
 

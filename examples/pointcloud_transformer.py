@@ -122,13 +122,15 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[list[Path], list[
         todo = [(split, i, p) for split, ps in paths.items() for i, p in enumerate(ps) if not p.exists()]
         if todo:
             print(f"preparing {len(todo)} point clouds of {args.points} points in {folder}", flush=True)
-        for split, i, path in todo:
+        progress = _common.DataProgress(len(todo), "point clouds")
+        for k, (split, i, path) in enumerate(todo, 1):
             seed = args.seed * 100_000 + i + (50_000 if split == "test" else 0)
             cloud = point_cloud(args.points, kind="volume", seed=seed)
             truth = cloud.fields["temperature"]
             noise = args.noise * np.random.default_rng(seed).standard_normal(truth.shape).astype(np.float32)
             fields = {"temperature": truth, "measured": truth + noise}
             prepare_mesh(path, cloud.points, fields)
+            progress.done(k)
     dist.barrier()
     return paths["train"], paths["test"]
 

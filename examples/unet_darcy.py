@@ -101,8 +101,13 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
         folder.mkdir(parents=True, exist_ok=True)
         for path, (n, seed) in sets.items():
             if not path.exists():
-                print(f"writing {n} Darcy samples on a {args.grid}x{args.grid} grid to {path}", flush=True)
+                # One batched solve of all n samples (the draws depend on n), so no per-sample progress:
+                # a line when it starts and one with its time when it ends.
+                print(f"writing {n} Darcy samples on a {args.grid}x{args.grid} grid to {path} "
+                      "(one batched solve)", flush=True)  # fmt: skip
+                progress = _common.DataProgress(n, "Darcy samples")
                 write_hdf5(path, darcy_flow(n, args.grid, seed=seed, tol=1e-5))
+                progress.finish()
     dist.barrier()
     return tuple(sets)
 

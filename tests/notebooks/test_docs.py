@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -36,7 +37,7 @@ def test_every_public_module_is_on_the_api_page():
     public |= {f"physicsnemo_dp.{p.name}" for p in package.iterdir() if (p / "__init__.py").exists()}
     internal = {  # layers of the machinery, documented in architecture.md rather than as API
         "physicsnemo_dp.catalog", "physicsnemo_dp.collectives", "physicsnemo_dp.demo", "physicsnemo_dp.dispatch",
-        "physicsnemo_dp.errors", "physicsnemo_dp.launch", "physicsnemo_dp.promotion", "physicsnemo_dp.rule_kit",
+        "physicsnemo_dp.errors", "physicsnemo_dp.promotion", "physicsnemo_dp.rule_kit",
         "physicsnemo_dp.rules", "physicsnemo_dp.scatter", "physicsnemo_dp.shard_tensor", "physicsnemo_dp.spec",
         "physicsnemo_dp.sync",
     }
@@ -51,3 +52,64 @@ def test_relative_links_resolve():
             if "://" not in target and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+CITING = PAGES + [ROOT / "datapipes" / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "examples" / "README.md"]
+
+
+def _cited_tests(text: str):
+    """``tests/...`` paths cited in a page, with the ``::test_name`` (or ``::name`` after a path) they name."""
+    last = None
+    for match in re.finditer(r"(tests/[\w/.-]*\w)(?:::(\w+\*?))?|`::(\w+\*?)", text):
+        path, name, bare = match.groups()
+        if path:
+            last = path
+            yield path, name
+        elif last and last.endswith(".py"):
+            yield last, bare
+
+
+def _defined(name: str) -> str:
+    """A pattern for a definition of ``name`` (``test_x_*``: any name with that prefix)."""
+    stem = re.escape(name.rstrip("*"))
+    end = r"\w*" if name.endswith("*") else r"\b"
+    return rf"\b(def|class) {stem}{end}|^{stem}{end} ="
+
+
+def test_cited_tests_exist():
+    """Every test file and test function a document cites exists (``tests/x.py::test_y``, ``::test_z`` after it)."""
+    missing = []
+    pages = sorted({*CITING, *(ROOT / "docs").rglob("*.md")})
+    for page in pages:
+        for path, name in _cited_tests(page.read_text()):
+            target = ROOT / path
+            if not target.exists() and target.suffix not in (".py", ".md", ""):  # tests/ops/_diff.check: a function
+                target, name = target.with_suffix(".py"), target.suffix[1:]
+            if not target.exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+            elif name and target.is_file() and not re.search(_defined(name), target.read_text(), re.M):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")
+    assert not missing, f"documents cite tests that do not exist: {missing}"
+
+
+def test_the_readme_layout_names_every_page_and_the_site_lists_them():
+    """The README's layout table names every page of docs/; mkdocs.yml's nav lists every page."""
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `docs/` |"))
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"`{page.stem}`" in row, f"README's layout table does not name docs/{page.name}"
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        assert str(page.relative_to(ROOT / "docs")) in nav, f"mkdocs.yml's nav does not list {page.relative_to(ROOT)}"
+
+
+def test_api_page_holds_public_names_only():
+    """``launch`` is on the API page; opt_einsum's backend helpers in ``physicsnemo_dp`` are not (not in ``__all__``)."""
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert "::: physicsnemo_dp.launch" in api
+    assert "filters: public" in (ROOT / "mkdocs.yml").read_text()
+    source = (ROOT / "physicsnemo_dp" / "__init__.py").read_text()
+    public = ast.literal_eval(re.search(r"^__all__ = (\[.*?\])", source, re.S | re.M).group(1))
+    assert "launch" in public
+    for helper in ("einsum", "tensordot", "transpose"):
+        assert helper not in public

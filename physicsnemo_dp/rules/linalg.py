@@ -186,6 +186,8 @@ def _agreed_check(info_local, info_spec, api: str, is_matrix: bool) -> None:
 
 def _batched(func, args, kwargs):
     bound = bind_args(func, args, kwargs)
+    lstsq = func is aten.linalg_lstsq.default  # torch has no meta kernel for it: its checks run locally
+    meta = None if lstsq else meta_output(func, args, kwargs)  # global shapes; torch's checks, before any move
     operands = _operands(func, bound)
     batch = broadcast_shape(*(tuple(t.shape[: t.ndim - k]) for _, t, k in operands))
     layout, moved = _batch_layout(operands, batch)
@@ -201,9 +203,8 @@ def _batched(func, args, kwargs):
         else:
             locals_[name] = replicated_to_box(t, spec)
     check = func in _CHECKED and bound.get("check_errors")
-    if func is aten.linalg_lstsq.default:
+    if lstsq:
         return _lstsq(bound, locals_, layout, batch, mesh)
-    meta = meta_output(func, args, kwargs)  # global output shapes; torch's checks, alike on every rank
     if func is aten.cholesky.default:  # checked here with torch's message, on every rank alike
         local, info = aten.linalg_cholesky_ex.default(locals_["self"], upper=bound["upper"])
         info_spec = _spec_for(mesh, layout, batch, batch, info.dtype, len(batch))

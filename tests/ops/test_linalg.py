@@ -86,6 +86,10 @@ def test_batched_linalg(ctx):
         torch.linalg.inv(a)
     assert counter.total_calls == 1 and counter.total_sent <= 16, counter.summary()  # one all-reduce of one int
 
+    # bad shapes: torch's own message on every rank, before anything moves
+    with pytest.raises(RuntimeError, match="linalg.solve"):
+        torch.linalg.solve(a, _g((3, 2)))
+
     # a singular matrix on one rank: torch's error, with the global batch index, on every rank
     bad = _spd()
     bad[5] = 0

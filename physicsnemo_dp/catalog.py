@@ -12,14 +12,15 @@ from __future__ import annotations
 from . import attention, graph, spatial
 from .dispatch import table
 from .rules import (
-    dim_ops, fft, indexing, joins, matmul, pointwise, random, reductions, scalars, shape_ops, tensor_like, views,
+    copies, dim_ops, fft, indexing, joins, linalg, matmul, pointwise, random, reductions, scalars, shape_ops, tensor_like,
+    views,
 )
 
 __all__ = ["FAMILIES"]
 
 #: Later families win where two name the same op.
 FAMILIES = (
-    tensor_like, pointwise, reductions, views, joins, shape_ops, matmul, dim_ops, indexing, graph, fft, spatial, attention,
+    tensor_like, pointwise, reductions, views, joins, copies, shape_ops, matmul, linalg, dim_ops, indexing, graph, fft, spatial, attention,
     random, scalars,
 )
 

@@ -26,6 +26,9 @@ Communication, per op:
   rows hold each rank's run of the diagonal (the first shard also takes the
   rows above the diagonal's start, the last those after its end); ``dim2``
   is whole. No communication.
+* ``diagonal_scatter`` (what ``eigh``'s backward writes its diagonal with): none
+  when neither dim is sharded, else their shards move first (``unshard_dims``,
+  one all-to-all); ``src`` is cut to the matching box. The result stays there.
 * ``trace``: the sum of ``diagonal`` (``FUNCTIONS``; ATen's backward of
   ``trace`` fills a plain full-size tensor, the diagonal's does not).
 * ``squeeze_``/``unsqueeze_``: the ``squeeze``/``unsqueeze`` of ``views.py``
@@ -40,7 +43,9 @@ from __future__ import annotations
 import torch
 
 from .._torch_compat import python_dispatch_excluded
-from ..rule_kit import bind_args, meta_output, normalize_dim, shard_tensor_cls, unshard_dims, wrap
+from ..rule_kit import (
+    bind_args, meta_output, normalize_dim, replicated_to_box, shard_tensor_cls, to_layout, unshard_dims, wrap,
+)
 from ..split import offsets_from_sizes
 from . import views
 from .views import derived_spec, renumber
@@ -191,6 +196,28 @@ def _diagonal_backward(func, args, kwargs):
     return _embed(args[0], sizes, bound["offset"], d1, d2)
 
 
+def _diagonal_scatter(func, args, kwargs):
+    """``src`` written onto diagonal ``offset`` of ``dim1``/``dim2`` of a copy of ``self``.
+
+    Local once neither dim is sharded (their shards move first, ``unshard_dims``); ``src`` is cut to the
+    matching box (its leading dims are ``self``'s other dims, its last the whole diagonal). The result
+    stays in that layout.
+    """
+    meta_output(func, args, kwargs)  # torch's checks of src's shape, alike on every rank
+    bound = bind_args(func, args, kwargs)
+    x, src = bound["self"], bound["src"]
+    ndim = len(x._spec.global_shape)
+    d1, d2 = normalize_dim(bound["dim1"], ndim), normalize_dim(bound["dim2"], ndim)
+    local, spec = unshard_dims(x, [d1, d2])
+    keep = [d for d in range(ndim) if d not in (d1, d2)]
+    src_spec = derived_spec(
+        spec, renumber(spec.placements, {d: i for i, d in enumerate(keep)}), tuple(src.shape),
+        tuple(spec.dim_sizes[d] for d in keep) + (None,),
+    )
+    src_local = to_layout(src, src_spec) if isinstance(src, shard_tensor_cls()) else replicated_to_box(src, src_spec)
+    return wrap(local.diagonal_scatter(src_local, bound["offset"], d1, d2), spec)
+
+
 def _trace(func, types, args, kwargs):
     """``trace`` as the sum of the diagonal: a pending or reduced 0-d result, gradients laid out like the input."""
     x = args[0]
@@ -236,6 +263,7 @@ RULES: dict = {
     aten.diagonal_copy.default: _diagonal,
     aten.diag_embed.default: _diag_embed,
     aten.diagonal_backward.default: _diagonal_backward,
+    aten.diagonal_scatter.default: _diagonal_scatter,
     aten.trace.default: _trace_rule,
     **dict.fromkeys(_OUT_OF_PLACE, _in_place_view),
 }

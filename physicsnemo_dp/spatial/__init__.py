@@ -20,5 +20,6 @@ FUNCTIONS: dict = {}
 for _module in (conv, pool, interpolate, pad, norm):
     FUNCTIONS.update(_module.FUNCTIONS)
 
-#: Every op is handled above autograd (``FUNCTIONS``); no ATen-level rules.
-RULES: dict = {}
+#: Every op is handled above autograd (``FUNCTIONS``); the only ATen-level rules are norm.py's
+#: clear errors for the native norm ops called through ``torch.ops.aten`` directly.
+RULES: dict = dict(norm.RULES)

@@ -30,6 +30,13 @@ In evaluation the stored statistics are used and nothing is communicated.
 mesh dims sharding those, and for ``layer_norm`` over sharded normalized dims
 the gradient stays sharded like the input (``Shard``), each rank holding its
 box. Channels are unsharded first where statistics or groups span them.
+
+``torch.native_batch_norm`` / ``torch.native_group_norm`` (the ATen-named
+functions, three outputs) run the same ``batch_norm`` / ``group_norm`` and
+return the saved mean and inverse standard deviation as differentiable
+sharded reductions (two more all-reduces). The ATen ops reached below
+torch-function (``torch.ops.aten.native_batch_norm``) raise an error naming
+these functions.
 """
 
 from __future__ import annotations
@@ -268,9 +275,77 @@ def _ln_args(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return input, shape, weight, bias, eps
 
 
+# --------------------------------------------------------------------------- #
+# The ATen-named entry points (torch.native_batch_norm, torch.native_group_norm)
+# --------------------------------------------------------------------------- #
+def _saved_stats(x, dims, eps):
+    """The mean and 1/std over ``dims`` (biased), as differentiable sharded reductions (two all-reduces)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # torch's kernels keep their statistics in at least float32
+    return x.mean(dims), (x.var(dims, correction=0) + eps).rsqrt()
+
+
+def _native_batch_norm(func, types, args, kwargs):
+    """``torch.native_batch_norm``: ``F.batch_norm``'s output, then the saved mean and invstd torch returns."""
+    x, weight, bias, running_mean, running_var, training, momentum, eps = _nbn_args(*args, **kwargs)
+    if not isinstance(x, shard_tensor_cls()):
+        with torch_function_disabled():
+            return func(*args, **kwargs)
+    y = _batch_norm(F.batch_norm, types, (x, running_mean, running_var, weight, bias, training, momentum, eps), {})
+    if not training:  # torch returns empty statistics in evaluation
+        return y, x.new_empty((0,)), x.new_empty((0,))
+    return (y, *_saved_stats(x, [d for d in range(x.ndim) if d != 1], eps))
+
+
+def _nbn_args(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return input, weight, bias, running_mean, running_var, training, momentum, eps
+
+
+def _native_group_norm(func, types, args, kwargs):
+    """``torch.native_group_norm``: ``F.group_norm``'s output, then the per-(sample, group) mean and rstd."""
+    x, weight, bias, n, c, hxw, groups, eps = _ngn_args(*args, **kwargs)
+    if not isinstance(x, shard_tensor_cls()):
+        with torch_function_disabled():
+            return func(*args, **kwargs)
+    if x.ndim < 2 or x.shape[0] != n or x.shape[1] != c or x.numel() != n * c * hxw:
+        raise RuntimeError(
+            f"native_group_norm: N={n}, C={c}, HxW={hxw} do not describe the input of shape {tuple(x.shape)} "
+            "(expected (N, C, *) with HxW the product of the trailing dims)"
+        )
+    y = _group_norm(F.group_norm, types, (x, groups, weight, bias, eps), {})
+    mean, rstd = _saved_stats(x.reshape(n, groups, -1), [2], eps)
+    return y, mean, rstd
+
+
+def _ngn_args(input, weight, bias, N, C, HxW, group, eps):
+    return input, weight, bias, N, C, HxW, group, eps
+
+
+def _refused(use: str, native: str):
+    def rule(func, args, kwargs):
+        raise NotImplementedError(
+            f"ShardTensor has no rule for {func} reached below torch-function (torch.ops.aten called directly, "
+            f"or a decomposition): call {use} or {native} instead, which compute the statistics over every "
+            "rank's data, forward and backward."
+        )
+
+    return rule
+
+
 FUNCTIONS = {
+    torch.native_batch_norm: _native_batch_norm,
+    torch.native_group_norm: _native_group_norm,
     F.batch_norm: _batch_norm,
     F.instance_norm: _instance_norm,
     F.group_norm: _group_norm,
     F.layer_norm: _layer_norm,
+}
+
+_aten = torch.ops.aten
+#: The ATen ops reached without ``__torch_function__`` (``torch.ops.aten.*`` called directly): a clear error.
+RULES = {
+    _aten.native_batch_norm.default: _refused("F.batch_norm", "torch.native_batch_norm"),
+    _aten._native_batch_norm_legit.default: _refused("F.batch_norm", "torch.native_batch_norm"),
+    _aten._native_batch_norm_legit.no_stats: _refused("F.batch_norm", "torch.native_batch_norm"),
+    _aten.native_group_norm.default: _refused("F.group_norm", "torch.native_group_norm"),
 }

@@ -1,4 +1,4 @@
-"""Ops along one dim: softmax, scans, sort/topk, flip/roll, and layer_norm over trailing dims.
+"""Ops along one dim: softmax, scans, sort/topk, median/mode/kthvalue, flip/roll, and layer_norm over trailing dims.
 
 Along an unsharded dim every one of them is local and keeps the input's
 layout. Along a sharded dim each has either a dedicated sharded form that
@@ -21,11 +21,11 @@ been split yet.
 
 from __future__ import annotations
 
-from . import grad, norms, reorder, scans, select, softmax
+from . import grad, norms, order_stats, reorder, scans, select, softmax
 
 RULES: dict = {}
-for _module in (softmax, scans, select, reorder, norms):
+for _module in (softmax, scans, select, reorder, norms, order_stats):
     RULES.update(_module.RULES)
-FUNCTIONS: dict = dict(grad.FUNCTIONS)
+FUNCTIONS: dict = {**grad.FUNCTIONS, **order_stats.FUNCTIONS}
 #: ``propagation.plan`` entries: softmax and sort plan apart from execution; the other dim ops plan inline.
 PROPAGATORS: dict = {**softmax.PROPAGATORS, **select.PROPAGATORS}

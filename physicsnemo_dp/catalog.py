@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from . import attention, graph, spatial
 from .dispatch import table
-from .rules import dim_ops, fft, indexing, joins, matmul, pointwise, random, reductions, scalars, tensor_like, views
+from .rules import (
+    channel_ops, dim_ops, fft, indexing, joins, losses, matmul, pointwise, random, reductions, scalars, tensor_like, views,
+)
 
 __all__ = ["FAMILIES"]
 
 #: Later families win where two name the same op.
 FAMILIES = (
     tensor_like, pointwise, reductions, views, joins, matmul, dim_ops, indexing, graph, fft, spatial, attention,
-    random, scalars,
+    random, scalars, losses, channel_ops,
 )
 
 table.install(FAMILIES, pointwise_rule=pointwise.pointwise_rule)

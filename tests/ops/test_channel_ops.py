@@ -50,6 +50,21 @@ def test_pixel_shuffle_and_unshuffle(ctx):
             ctx.mesh,
             label="unshuffle 3 then shuffle 3",
         )
+    # an SRResNet-style upsampling block (PhysicsNeMo's SRResNet: conv, PReLU, pixel shuffle) with H sharded
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 12, 3, padding=1),
+        torch.nn.PixelShuffle(2),
+        torch.nn.PReLU(3),
+        torch.nn.Conv2d(3, 2, 3, padding=1),
+    ).double()
+    check(
+        lambda m, x: m(x),
+        [(_g((2, 3, 7, 5), seed=4), (Shard(2),) * ctx.mesh.ndim)],
+        ctx.mesh,
+        module=block,
+        label="upsampling block",
+    )
     # the layout the docs promise: H shard sizes times r, placements kept
     placements = (Shard(2),) * ctx.mesh.ndim
     spec = make_spec(ctx.mesh, placements, (2, 8, 5, 3))

@@ -10,7 +10,7 @@ mesh. Bad data on one rank raises the same error on every rank.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from physicsnemo_dp import count_collectives
 from tests._harness import distributed
@@ -150,6 +150,10 @@ def test_nll_and_cross_entropy(ctx):
                 ctx.mesh,
                 label=f"ce 1-d {r}",
             )
+    # a pending sum as input (resolved first)
+    partial = (Partial(),) * ctx.mesh.ndim
+    check(F.cross_entropy, [(_g(seed=1), partial), (index_target, None)], ctx.mesh, label="ce partial input")
+    check(F.mse_loss, [(_g(seed=1), partial), (_g(seed=2), None)], ctx.mesh, label="mse partial input")
     # everything ignored: a mean of nothing is NaN, as in one process
     check(
         lambda x, t: F.cross_entropy(x, t),

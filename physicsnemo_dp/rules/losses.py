@@ -22,9 +22,10 @@ them) are handled above autograd in two steps:
    count divides); weighted means follow torch: ``sum(w * l) / sum(w)`` for
    ``mse_loss``/``l1_loss`` with ``weight``, and for ``nll_loss``/``cross_entropy``
    with class indices ``sum(l) / sum(w[target])`` over the targets that are not
-   ``ignore_index`` (both sums global). The result is a 0-dim ShardTensor
-   (a pending sum for ``"sum"``/``"mean"``, resolved where it is read, e.g. by
-   ``.item()``).
+   ``ignore_index`` (both sums global, all-reduced together in one call). The
+   result is a 0-dim ShardTensor: a pending sum for ``"sum"`` and plain
+   ``"mean"`` (resolved where it is read, e.g. by ``.item()``), replicated for
+   a ratio.
 
 Errors are those of one process and the same on every rank: torch's own
 argument checks (shapes, dtypes, ``reduction``) run first on meta tensors of the
@@ -41,6 +42,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.placement_types import Replicate
 
 from .. import collectives
 from .._torch_compat import assert_in_graph, l1_loss_weight, traced, tracing
@@ -82,7 +84,17 @@ def _reduce(loss, reduction, denominator=None):
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.mean() if denominator is None else loss.sum() / denominator.sum()
+    if denominator is None:
+        return loss.mean()
+    return _ratio_of_sums(loss, denominator)
+
+
+def _ratio_of_sums(numerator, denominator):
+    """``numerator.sum() / denominator.sum()``, both sums global: one all-reduce of the two partial sums together."""
+    both = torch.stack([numerator.sum(), denominator.sum().to(numerator.dtype)])
+    if any(p.is_partial() for p in both.placements):
+        both = both.redistribute(placements=[Replicate()] * both.device_mesh.ndim)
+    return both[0] / both[1]
 
 
 def _agree_none_bad(bad_local, spec, message):
@@ -312,7 +324,7 @@ def _class_loss(func, types, args, kwargs):
     specs = (out_spec, out_spec) if denominator else (out_spec,)
     outs = local_call(Job(fn, modes, common, specs), *operands)
     if denominator:
-        return outs[0].sum() / outs[1].sum()
+        return _ratio_of_sums(*outs)
     return _reduce(outs[0], reduction)
 
 

@@ -217,6 +217,7 @@ def test_loss_collectives(ctx):
     with count_collectives() as counter:
         F.mse_loss(x, y).item()
     assert dict(counter.calls) == {"all_reduce": ctx.mesh.ndim}, counter.calls  # (counted on one rank too)
-    with count_collectives() as counter:
-        F.cross_entropy(x, t, reduction="sum").item()
-    assert dict(counter.calls) == {"all_reduce": 2 * ctx.mesh.ndim}, counter.calls
+    for reduction in ("sum", "mean"):  # the index check, then the sum (mean: the loss and weight sums together)
+        with count_collectives() as counter:
+            F.cross_entropy(x, t, reduction=reduction).item()
+        assert dict(counter.calls) == {"all_reduce": 2 * ctx.mesh.ndim}, (reduction, counter.calls)

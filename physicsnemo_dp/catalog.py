@@ -12,8 +12,8 @@ from __future__ import annotations
 from . import attention, graph, spatial
 from .dispatch import table
 from .rules import (
-    copies, dim_ops, fft, indexing, joins, linalg, matmul, pointwise, random, reductions, scalars, shape_ops, tensor_like,
-    views,
+    channel_ops, copies, dim_ops, fft, indexing, joins, linalg, losses, matmul, pointwise, random, reductions, scalars,
+    shape_ops, tensor_like, views,
 )
 
 __all__ = ["FAMILIES"]
@@ -21,7 +21,7 @@ __all__ = ["FAMILIES"]
 #: Later families win where two name the same op.
 FAMILIES = (
     tensor_like, pointwise, reductions, views, joins, copies, shape_ops, matmul, linalg, dim_ops, indexing, graph, fft, spatial, attention,
-    random, scalars,
+    random, scalars, losses, channel_ops,
 )
 
 table.install(FAMILIES, pointwise_rule=pointwise.pointwise_rule)

@@ -199,6 +199,26 @@ def _fft(mesh):
     return [Case("spectral block rfft2/irfft2", block, [x]), Case("rfft/fftshift/irfft", shifted, [x])]
 
 
+def _losses(mesh):
+    target = torch.randint(0, 4, (6, 5), generator=torch.Generator().manual_seed(3))
+    target[1, 2] = -100  # ignored
+    x = (_g(6, 4, 5), _sharded(mesh, 0, 2))
+    t = (target, _sharded(mesh, 0, 1))
+    def fn(x, t, y, w):
+        # per-element losses on the shards, then global sums (a ratio of two for the weighted means); the
+        # class-index check is a graph op. (Not l1_loss's weight: torch drops it before a compiled handler sees it.)
+        return F.cross_entropy(x, t, label_smoothing=0.1) + F.mse_loss(x, y, weight=w) + F.l1_loss(x, y)
+
+    return [Case("cross_entropy + weighted mse_loss + l1_loss", fn, [x, t, (_g(6, 4, 5, seed=1), None), (_g(6, 4, 5, seed=2).abs(), None)])]
+
+
+def _channel_ops(mesh):
+    x = (_g(2, 8, 5, 3), _sharded(mesh, 2, 0))
+    return [
+        Case("PReLU, pixel_shuffle, glu", lambda m, x: F.glu(F.pixel_shuffle(m(x), 2), 1), [x], nn.PReLU(8, dtype=DTYPE)),
+    ]
+
+
 #: op family -> cases for a mesh; the keys are the rows of the compile matrix.
 FAMILIES: dict[str, Callable] = {
     "pointwise": _pointwise,
@@ -215,4 +235,6 @@ FAMILIES: dict[str, Callable] = {
     "mlp": _mlp,
     "cnn": _cnn,
     "fft": _fft,
+    "losses": _losses,
+    "channel_ops": _channel_ops,
 }

@@ -163,6 +163,8 @@ def test_float32_families(ctx, low):
         ("fftn", lambda x, w: torch.fft.fftn(conv(x, w), dim=(2, 3)).real, [(x, (2, 3)), (w, None)]),
         ("squared error", lambda x, w, t: ((conv(x, w) - t) ** 2).mean(), [(x, (2, 3)), (w, None), (t, (2, 3))]),
         ("l1_loss", lambda x, w, t: F.l1_loss(conv(x, w), t, reduction="sum"), [(x, 2), (w, None), (t, 2)]),
+        ("mse_loss", lambda x, w, t: F.mse_loss(conv(x, w), t), [(x, (2, 3)), (w, None), (t, (2, 3))]),
+        ("cross_entropy probabilities", lambda x, w, t: F.cross_entropy(conv(x, w), t.softmax(1)), [(x, 2), (w, None), (t, 2)]),
         ("softmax", lambda x, w: torch.softmax(conv(x, w), dim=2), [(x, (2, 3)), (w, None)]),
     ]
     for label, fn, inputs in cases:

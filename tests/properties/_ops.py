@@ -81,6 +81,12 @@ def _with_scalar_tensor(draw, mesh_shape):
     return [draw_input(draw, shape, mesh_shape), draw_input(draw, (), mesh_shape, plain=True)], {}
 
 
+def _same_shape_pair(draw, mesh_shape):
+    """Two inputs of one shape in independent layouts (the second maybe plain): losses' input and target."""
+    shape = draw(dims(min_ndim=1))
+    return [draw_input(draw, shape, mesh_shape), draw_input(draw, shape, mesh_shape, plain=draw(st.booleans()))], {}
+
+
 POINTWISE = {
     "sin": Op(torch.sin, _unary(), ANY),
     "exp_times_x": Op(lambda x: torch.exp(x) * x, _unary(), ANY),
@@ -92,6 +98,10 @@ POINTWISE = {
     "mul_broadcast": Op(torch.mul, _broadcast_pair(), ANY),
     "div_plain_weight": Op(lambda x, w: x / (w.abs() + 1), _broadcast_pair(plain_second=True), ANY),
     "mul_zero_dim_plain": Op(torch.mul, _with_scalar_tensor, ANY, grad=False),  # gradient: ZERO_DIM_PLAIN_GRAD
+    # per-element ops of rules/losses.py and rules/channel_ops.py (torch's op on the aligned local pieces)
+    "mse_loss_sum": Op(lambda x, y: F.mse_loss(x, y, reduction="sum"), _same_shape_pair, REAL),
+    "smooth_l1_loss_none": Op(lambda x, y: F.smooth_l1_loss(x, y, reduction="none", beta=0.5), _same_shape_pair, REAL),
+    "prelu_one_weight": Op(lambda x: F.prelu(x, torch.full((1,), 0.25, dtype=x.dtype)), _unary(), REAL),
     # complex-only: conjugation (a lazy bit in torch), the real/complex views, parts and magnitudes
     "conj_mul": Op(lambda x, y: x.conj() * y, _broadcast_pair(), COMPLEX_DTYPES),
     "real_imag": Op(lambda x: x.real * 2 - x.conj().imag, _unary(), COMPLEX_DTYPES),

@@ -228,8 +228,9 @@ def simulate(
         setup: ``setup(mesh) -> step``.
         world_size: Ranks of the simulated job (default: the product of ``mesh_shape``).
         mesh_shape: Shape of the device mesh (default ``(world_size,)``).
-        mesh_dim_names: Names of the mesh dims (default ``("domain",)`` for a
-            1-D mesh, ``("dim0", "dim1", ...)`` otherwise).
+        mesh_dim_names: Names of the mesh dims (default, as for
+            :func:`~physicsnemo_dp.launch` and the CLI: ``("domain",)`` for a 1-D mesh,
+            ``("ddp", "domain")`` for a 2-D one, ``("dim0", "dim1", ...)`` beyond).
         rank: The rank to play, or ``"largest"`` for the rank whose
             ``sharded_input`` boxes hold the most bytes.
 
@@ -276,7 +277,9 @@ def _mesh_arguments(world_size, mesh_shape, mesh_dim_names) -> tuple[tuple[int, 
     if world_size is not None and math.prod(mesh_shape) != world_size:
         raise ValueError(f"world_size={world_size} but mesh_shape={mesh_shape} has {math.prod(mesh_shape)} ranks")
     if mesh_dim_names is None:
-        mesh_dim_names = ("domain",) if len(mesh_shape) == 1 else tuple(f"dim{i}" for i in range(len(mesh_shape)))
+        mesh_dim_names = {1: ("domain",), 2: ("ddp", "domain")}.get(
+            len(mesh_shape), tuple(f"dim{i}" for i in range(len(mesh_shape)))
+        )
     names = tuple(str(n) for n in mesh_dim_names)
     if len(names) != len(mesh_shape):
         raise ValueError(f"mesh_dim_names={names} needs one name per mesh dim of mesh_shape={mesh_shape}")

@@ -8,7 +8,13 @@ A training script resolves one :class:`MeshContext` and calls
 in ``__all__``. See ``README.md`` next to this file for the whole flow.
 """
 
-from .capabilities import CapabilityError, ModelCapabilities, query_capabilities
+from .capabilities import (
+    CapabilityError,
+    ModelCapabilities,
+    query_capabilities,
+    register_capabilities,
+    unregister_capabilities,
+)
 from .activation_checkpointing import is_checkpointed
 from .config import ActivationCheckpointing, DDPConfig, FSDP2Config, MixedPrecisionPolicy, Trainability
 from .mesh_context import AXES, MeshContext
@@ -29,4 +35,6 @@ __all__ = [
     "ModelCapabilities",
     "CapabilityError",
     "query_capabilities",
+    "register_capabilities",
+    "unregister_capabilities",
 ]

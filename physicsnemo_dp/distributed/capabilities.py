@@ -19,19 +19,39 @@ A model class declares its capabilities in exactly one of two ways:
 
 * a classmethod ``get_capabilities(cls, config) -> ModelCapabilities`` when
   one class serves configurations with different profiles.
+
+A class one cannot edit (a third-party model) gets its profile from outside,
+with the same flags and the same refusal of unknown ones:
+
+* :func:`register_capabilities` ``(ModelClass, supports_domain=True, ...)``
+  for the whole process (subclasses inherit it, as they inherit a nested
+  declaration), or
+* ``parallelize_model(model, context, capabilities=...)`` for one call.
+
+Either is refused for a class that declares its own profile: the class's
+declaration is the one that was verified with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
 from .config import DDPConfig, FSDP2Config
 
-__all__ = ["ModelCapabilities", "CapabilityError", "query_capabilities", "required_capabilities", "check_capabilities"]
+__all__ = [
+    "ModelCapabilities",
+    "CapabilityError",
+    "query_capabilities",
+    "register_capabilities",
+    "unregister_capabilities",
+    "required_capabilities",
+    "check_capabilities",
+]
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,77 @@ def _from_nested(cls: type, nested) -> ModelCapabilities:
     return ModelCapabilities(**declared)
 
 
+#: Profiles given from outside for classes one cannot edit (:func:`register_capabilities`), by class.
+_REGISTERED: dict[type, ModelCapabilities] = {}
+
+
+def _as_capabilities(value, owner: str) -> ModelCapabilities:
+    """``value`` (a ModelCapabilities, or a mapping of flag names to bools) as a ModelCapabilities.
+
+    Raises:
+        TypeError: another type, an unknown flag (the known ones are listed) or a value that is not a bool.
+    """
+    if isinstance(value, ModelCapabilities):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{owner} takes a ModelCapabilities or a mapping of flags to bools, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in set(value) - set(_FLAGS))
+    if unknown:
+        raise TypeError(f"{owner} got unknown flags {unknown}; known flags: {list(_FLAGS)}")
+    return ModelCapabilities(**value)
+
+
+def _refuse_if_declared(cls: type, how: str) -> None:
+    nested, variant = _declaration(cls)
+    if nested is not None or variant is not None:
+        kind = "a nested ModelCapabilities" if nested is not None else "get_capabilities(cls, config)"
+        raise TypeError(
+            f"{cls.__name__} declares its own capabilities ({kind}); {how} is for classes that declare "
+            "none. Change the declaration in the class, or subclass it with a declaration of your own"
+        )
+
+
+def register_capabilities(model_class: type, capabilities=None, /, **flags: bool) -> ModelCapabilities:
+    """Declare the capabilities of a model class one cannot edit (a third-party model), for this process.
+
+    Give either a :class:`ModelCapabilities` or the flags as keywords::
+
+        register_capabilities(ThirdPartyNet, supports_domain=True, supports_ddp=True)
+
+    Subclasses of ``model_class`` that declare nothing themselves inherit the
+    profile. Registering a class again replaces its profile;
+    :func:`unregister_capabilities` removes it. As with a nested declaration,
+    set a flag only once the model has been verified that way.
+
+    Returns:
+        The registered :class:`ModelCapabilities`.
+
+    Raises:
+        TypeError: ``model_class`` is not a class, an unknown flag or a non-bool value, both a
+            ModelCapabilities and keywords, or a class that declares its own capabilities.
+    """
+    if not inspect.isclass(model_class):
+        raise TypeError(f"register_capabilities takes a model class, got {type(model_class).__name__}")
+    if capabilities is not None and flags:
+        raise TypeError("register_capabilities takes a ModelCapabilities or flags as keywords, not both")
+    caps = _as_capabilities(flags if capabilities is None else capabilities, "register_capabilities")
+    _refuse_if_declared(model_class, "register_capabilities")
+    _REGISTERED[model_class] = caps
+    return caps
+
+
+def unregister_capabilities(model_class: type) -> None:
+    """Forget the profile :func:`register_capabilities` gave ``model_class`` (nothing if it had none)."""
+    _REGISTERED.pop(model_class, None)
+
+
+def _registered(cls: type) -> ModelCapabilities | None:
+    for klass in cls.__mro__:
+        if klass in _REGISTERED:
+            return _REGISTERED[klass]
+    return None
+
+
 def _declaration(cls: type):
     """The class's nested dataclass and its ``get_capabilities`` (either may be None; not both set)."""
     nested = getattr(cls, "ModelCapabilities", None)
@@ -92,7 +183,8 @@ def query_capabilities(target, config=None) -> ModelCapabilities:
     * a **config** object: it names its model class in a ``model_class``
       attribute and is itself the config.
 
-    A class that declares nothing gets ``ModelCapabilities()`` (all False).
+    A class that declares nothing gets the profile :func:`register_capabilities`
+    gave it (or one of its bases), else ``ModelCapabilities()`` (all False).
 
     Raises:
         TypeError: both patterns declared, a malformed declaration, or a
@@ -114,7 +206,8 @@ def query_capabilities(target, config=None) -> ModelCapabilities:
     if nested is not None:
         return _from_nested(cls, nested)
     if variant is None:
-        return ModelCapabilities()
+        registered = _registered(cls)
+        return ModelCapabilities() if registered is None else registered
     if config is None and instance is not None:
         config = getattr(instance, "config", None)
     if config is None:
@@ -140,14 +233,24 @@ def required_capabilities(mesh_context) -> tuple[str, ...]:
     return tuple(needed)
 
 
-def check_capabilities(model, mesh_context) -> None:
-    """Raise :class:`CapabilityError` naming every flag ``model`` lacks for ``mesh_context``."""
-    caps = query_capabilities(model)
+def check_capabilities(model, mesh_context, capabilities=None) -> None:
+    """Raise :class:`CapabilityError` naming every flag ``model`` lacks for ``mesh_context``.
+
+    ``capabilities`` (a ModelCapabilities or a mapping of flags), if given, stands
+    for the declaration of a class that declares none (see :func:`register_capabilities`).
+    """
+    if capabilities is None:
+        caps = query_capabilities(model)
+    else:
+        caps = _as_capabilities(capabilities, "capabilities=")
+        _refuse_if_declared(type(model), "capabilities=")
     missing = [flag for flag in required_capabilities(mesh_context) if not getattr(caps, flag)]
     if missing:
         raise CapabilityError(
             f"{type(model).__name__} does not declare {', '.join(f'{m}=True' for m in missing)}, which this "
             f"MeshContext needs (ddp_size={mesh_context.ddp_size}, domain_size={mesh_context.domain_size}, "
             f"strategy={type(mesh_context.strategy).__name__ if mesh_context.strategy else None}). Verify the "
-            "model that way, then declare it in a nested ModelCapabilities dataclass or get_capabilities"
+            "model that way, then declare it in a nested ModelCapabilities dataclass or get_capabilities, or, "
+            "for a class you cannot edit, with register_capabilities(cls, ...) or parallelize_model(..., "
+            "capabilities=...)"
         )

@@ -50,6 +50,8 @@ methods and this module never names a model (``tools/lint_parallelizer_contract.
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -57,13 +59,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..promotion import bucket_gradients
 from ..sync import sync_module_over_mesh
-from .capabilities import check_capabilities
+from .capabilities import _as_capabilities, check_capabilities
 from .activation_checkpointing import apply_checkpointing
 from .config import DDPConfig, FSDP2Config
 from .mesh_context import MeshContext
 from .precision import cast_frozen_state, fp32_pins, pinned_owners, pinned_policy
 
 __all__ = ["ModelParallelizer", "parallelize_model", "find_blocks"]
+
+#: The ``capabilities=`` of the ``parallelize`` call running now (None: the class's declaration). A context
+#: variable rather than an argument so that sidecars' ``_apply(model, mesh_context)`` keeps its signature.
+_GIVEN_CAPABILITIES: contextvars.ContextVar = contextvars.ContextVar("pdp_given_capabilities", default=None)
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -104,14 +110,18 @@ def _active_pins(model: nn.Module, mesh_context: MeshContext) -> tuple[str, ...]
 class ModelParallelizer:
     """Parallelizes a model for a :class:`MeshContext` (see the module doc for the flow and hooks)."""
 
-    def parallelize(self, model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+    def parallelize(self, model: nn.Module, mesh_context: MeshContext, *, capabilities=None) -> nn.Module:
         """Return ``model`` parallelized for ``mesh_context`` (a DDP wrapper, or the model itself).
 
         Call it on every rank with the same model architecture, after moving the
         model to ``mesh_context.device`` and before building the optimizer.
+        ``capabilities`` (a ModelCapabilities, or a mapping of flag names to
+        bools) declares the profile of a model class that declares none, for
+        this call only.
 
         Raises:
-            TypeError: ``model`` is not an ``nn.Module`` or ``mesh_context`` not a MeshContext.
+            TypeError: ``model`` is not an ``nn.Module`` or ``mesh_context`` not a MeshContext;
+                ``capabilities`` with an unknown flag, or given for a class that declares its own.
             CapabilityError: the model does not declare a capability the context needs.
             ValueError: the model is already parallelized, its fp32 pins share a
                 module with unpinned parameters, a trainability pattern matches
@@ -124,7 +134,13 @@ class ModelParallelizer:
                 f"parallelize needs a MeshContext, got {type(mesh_context).__name__}; "
                 "build one with MeshContext.build(...) or MeshContext.from_mesh(mesh)"
             )
-        return self._apply(model, mesh_context)
+        if capabilities is not None:
+            capabilities = _as_capabilities(capabilities, "capabilities=")
+        token = _GIVEN_CAPABILITIES.set(capabilities)
+        try:
+            return self._apply(model, mesh_context)
+        finally:
+            _GIVEN_CAPABILITIES.reset(token)
 
     # ----------------------------------------------------------------- hooks
     def _apply(self, model: nn.Module, mesh_context: MeshContext) -> nn.Module:
@@ -196,7 +212,7 @@ def _check(model: nn.Module, mesh_context: MeshContext) -> None:
             f"{type(model).__name__} is already parallelized (wrapped by DDP or fully_shard); "
             "parallelize the bare model exactly once"
         )
-    check_capabilities(model, mesh_context)
+    check_capabilities(model, mesh_context, _GIVEN_CAPABILITIES.get())
     pinned_owners(model, _active_pins(model, mesh_context))
 
 
@@ -233,8 +249,14 @@ def _wrap_ddp(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
     return DistributedDataParallel(model, device_mesh=mesh_context.ddp_mesh, **kwargs)
 
 
-def parallelize_model(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+def parallelize_model(model: nn.Module, mesh_context: MeshContext, *, capabilities=None) -> nn.Module:
     """Parallelize ``model`` with its class's ``parallelizer`` sidecar, or the default one.
+
+    ``capabilities`` declares what a model class one cannot edit was verified to
+    support (``{"supports_domain": True}`` or a ModelCapabilities), for this call;
+    :func:`~physicsnemo_dp.distributed.register_capabilities` does it for the
+    whole process. Unknown flags, and either for a class that declares its own
+    ``ModelCapabilities``, are refused (TypeError).
 
     Raises:
         TypeError: the class's ``parallelizer`` attribute is not a ModelParallelizer.
@@ -248,4 +270,4 @@ def parallelize_model(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
             f"{type(model).__name__}.parallelizer must be a ModelParallelizer instance, got "
             f"{type(parallelizer).__name__}; attach an instance of your sidecar class"
         )
-    return parallelizer.parallelize(model, mesh_context)
+    return parallelizer.parallelize(model, mesh_context, capabilities=capabilities)

@@ -124,6 +124,18 @@ def test_bad_arguments_are_named():
         simulate(lambda mesh: None, 2)
 
 
+def _pointwise_setup(mesh):
+    x = sharded_input(mesh, (4, 8), [Shard(0)] * mesh.ndim)
+    return lambda: (x * 2).sum()
+
+
+def test_default_mesh_dim_names_are_those_of_launch_and_meshcontext():
+    """("domain",) and ("ddp", "domain"), as launch(), MeshContext and the CLI name them; dim0.. beyond."""
+    assert simulate(_pointwise_setup, 4).mesh_dim_names == ("domain",)
+    assert simulate(_pointwise_setup, mesh_shape=(2, 2)).mesh_dim_names == ("ddp", "domain")
+    assert simulate(_pointwise_setup, mesh_shape=(2, 1, 2)).mesh_dim_names == ("dim0", "dim1", "dim2")
+
+
 def test_the_patched_attention_is_restored():
     before = torch.nn.functional.scaled_dot_product_attention
     simulate(SETUPS["transformer"], 2)

@@ -21,6 +21,8 @@ from physicsnemo_dp.distributed import (
     find_blocks,
     is_checkpointed,
     query_capabilities,
+    register_capabilities,
+    unregister_capabilities,
 )
 from physicsnemo_dp.distributed.activation_checkpointing import apply_checkpointing
 from physicsnemo_dp.distributed.config import resolve_strategy
@@ -128,6 +130,34 @@ def test_query_capabilities_static_variant_and_config():
     assert query_capabilities(_Config(_Variant, domain=True)).supports_domain
     assert query_capabilities(_Config(TokenNet)) == expected
     assert isinstance(query_capabilities(TokenNet), ModelCapabilities)
+
+
+def test_register_capabilities_refusals():
+    """Unknown flags, non-bools, both forms, a declared class: refused; nothing is registered by a refusal."""
+
+    class Outside(nn.Module):  # stands for a third-party class
+        pass
+
+    with pytest.raises(TypeError, match=r"unknown flags \['supports_dmoain'\]; known flags"):
+        register_capabilities(Outside, supports_dmoain=True)
+    with pytest.raises(TypeError, match="must be a bool"):
+        register_capabilities(Outside, supports_domain=1)
+    with pytest.raises(TypeError, match="not both"):
+        register_capabilities(Outside, ModelCapabilities(supports_domain=True), supports_ddp=True)
+    with pytest.raises(TypeError, match="takes a model class, got Outside"):
+        register_capabilities(Outside(), supports_domain=True)
+    with pytest.raises(TypeError, match="TokenNet declares its own capabilities"):
+        register_capabilities(TokenNet, supports_domain=True)
+    with pytest.raises(TypeError, match="_Variant declares its own capabilities"):
+        register_capabilities(_Variant, supports_domain=True)
+    assert query_capabilities(Outside) == ModelCapabilities()
+    try:
+        register_capabilities(Outside, ModelCapabilities(supports_domain=True))
+        register_capabilities(Outside, supports_ddp=True)  # again: replaces
+        assert query_capabilities(Outside()) == ModelCapabilities(supports_ddp=True)
+    finally:
+        unregister_capabilities(Outside)
+    assert query_capabilities(Outside) == ModelCapabilities()
 
 
 def test_query_capabilities_errors():

@@ -16,10 +16,14 @@ from physicsnemo_dp.distributed import (
     FSDP2Config,
     MeshContext,
     MixedPrecisionPolicy,
+    ModelCapabilities,
     ModelParallelizer,
     Trainability,
     is_checkpointed,
     parallelize_model,
+    query_capabilities,
+    register_capabilities,
+    unregister_capabilities,
 )
 from physicsnemo_dp.promotion import clear_gradient_buckets
 from tests._harness import distributed
@@ -69,6 +73,21 @@ class _Plain(nn.Module):
         return self.lin(x)
 
 
+class ThirdPartyNet(nn.Module):
+    """A model class one cannot edit: TokenNet's layers, no capability declaration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TokenNet()  # the same parameters as TokenNet() after the same seed, under "net."
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _third_party_reference(batches):
+    return {f"net.{k}": v for k, v in _reference(batches).items()}
+
+
 # ------------------------------------------------------------------ refusals
 @distributed(world_sizes=(2,), mesh_2d=True)
 def test_type_errors(ctx):
@@ -108,6 +127,53 @@ def test_capability_refusal_names_the_flag_before_any_side_effect(ctx):
         assert counter.total_calls == 0
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert not any(is_checkpointed(m) for m in model.modules())
+
+
+@distributed(world_sizes=(3,), mesh_2d=True)
+def test_capabilities_for_a_class_one_cannot_edit(ctx):
+    """capabilities= (one call) and register_capabilities (the process) stand for a missing declaration."""
+    context = _context(ctx, strategy=DDPConfig())
+    needed = ["supports_domain", "supports_ddp"]
+    batches = [sample_batch(seed=s) for s in range(2)]
+    with count_collectives() as counter:
+        with pytest.raises(CapabilityError, match="register_capabilities"):  # the message names the way out
+            parallelize_model(ThirdPartyNet(), context)
+        with pytest.raises(TypeError, match=r"unknown flags \['supports_domian'\]; known flags: \['supports_domain'"):
+            parallelize_model(ThirdPartyNet(), context, capabilities={"supports_domian": True})
+        with pytest.raises(TypeError, match="must be a bool, got 'yes'"):
+            parallelize_model(ThirdPartyNet(), context, capabilities={"supports_domain": "yes"})
+        with pytest.raises(TypeError, match="takes a ModelCapabilities or a mapping"):
+            parallelize_model(ThirdPartyNet(), context, capabilities=["supports_domain"])
+        with pytest.raises(CapabilityError, match=f"{needed[-1]}=True"):  # a flag short
+            parallelize_model(ThirdPartyNet(), context, capabilities={f: f != needed[-1] for f in needed})
+        with pytest.raises(TypeError, match="TokenNet declares its own capabilities"):
+            parallelize_model(TokenNet(), context, capabilities=ModelCapabilities(supports_domain=True))
+    assert counter.total_calls == 0  # every refusal comes before any collective
+
+    # one call: trains to the single-process parameters on uneven token shards
+    torch.manual_seed(ctx.rank)  # different weights per rank: parallelize_model synchronizes them
+    model = parallelize_model(ThirdPartyNet(), context, capabilities={f: True for f in needed})
+    train(model, [local_input(b, context) for b in batches])
+    assert_close_states(full_state(model), _third_party_reference(batches), atol=1e-5, rtol=1e-5)
+    assert query_capabilities(ThirdPartyNet) == ModelCapabilities()  # capabilities= registered nothing
+
+    # the process: a registration, inherited by a subclass that declares nothing
+    class Subclass(ThirdPartyNet):
+        pass
+
+    try:
+        registered = register_capabilities(ThirdPartyNet, supports_domain=True, supports_ddp=True)
+        assert registered == ModelCapabilities(supports_domain=True, supports_ddp=True)
+        assert query_capabilities(Subclass()) == registered
+        torch.manual_seed(ctx.rank)
+        model = parallelize_model(Subclass(), context)
+        train(model, [local_input(b, context) for b in batches])
+        assert_close_states(full_state(model), _third_party_reference(batches), atol=1e-5, rtol=1e-5)
+        with pytest.raises(CapabilityError, match="supports_fsdp2=True"):
+            parallelize_model(Subclass(), _context(ctx, strategy=FSDP2Config()))
+    finally:
+        unregister_capabilities(ThirdPartyNet)
+    assert query_capabilities(Subclass) == ModelCapabilities()
 
 
 @distributed(world_sizes=(2,), mesh_2d=True)

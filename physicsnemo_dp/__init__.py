@@ -8,7 +8,8 @@ code runs on it and gives the output and gradients one big device would.
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .collectives import CommCounter, count_collectives
-from .errors import PlacementError, PromotionError
+from .errors import ImplicitGatherError, ImplicitGatherWarning, PlacementError, PromotionError
+from ._gathers import implicit_gathers
 from .promotion import TensorPromotionMode, bucket_gradients, get_promotion_mode, promotion_mode, set_promotion_mode
 from .scatter import scatter_tensor
 from .shard_tensor import ShardTensor
@@ -38,6 +39,9 @@ __all__ = [
     "CommCounter",
     "PlacementError",
     "PromotionError",
+    "implicit_gathers",
+    "ImplicitGatherError",
+    "ImplicitGatherWarning",
     "chunk_sizes",
     "rand",
     "randn",

@@ -30,7 +30,7 @@ def _as_layout(grad, spec):
     ShardTensor = shard_tensor_cls()
     target = grad_layout(spec)
     if isinstance(grad, ShardTensor):
-        grad = redistribute_local(grad._local_tensor, grad._spec, target)
+        grad = redistribute_local(grad._local_tensor, grad._spec, target, implicit=False)
     return grad_of_contribution(grad, spec)
 
 
@@ -75,7 +75,8 @@ class Redistribute(Function):
     @staticmethod
     def backward(ctx, grad):
         target = grad_layout(ctx.src_spec)
-        local = redistribute_local(grad._local_tensor, grad._spec, target)
+        # the mirror of the forward move: a gradient in its input's layout is never an implicit gather
+        local = redistribute_local(grad._local_tensor, grad._spec, target, implicit=False)
         local = grad_of_contribution(local, ctx.src_spec)
         return shard_tensor_cls()(local, target, requires_grad=False), None
 

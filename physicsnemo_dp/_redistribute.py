@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from . import _agreement, _layout, collectives
+from . import _agreement, _gathers, _layout, collectives
 from ._plan import Layout, Step, default_dst_sizes, plan
 from ._checking import checks_enabled
 from .split import offsets_from_sizes
@@ -165,8 +165,15 @@ def target_layout(spec, placements, dim_sizes=None) -> Layout:
     return Layout(placements, tuple(dim_sizes))
 
 
-def redistribute_local(local: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
-    """Move ``local`` (laid out as ``src_spec``) to the layout of ``dst_spec``."""
+def redistribute_local(local: torch.Tensor, src_spec, dst_spec, *, implicit: bool = True) -> torch.Tensor:
+    """Move ``local`` (laid out as ``src_spec``) to the layout of ``dst_spec``.
+
+    A move that gathers a sharded dim whole (or pads a shard to a pending sum
+    of the global size) is an implicit gather (:mod:`physicsnemo_dp._gathers`),
+    recorded and subject to the policy before anything moves, unless
+    ``implicit=False``: the result itself must be whole (a gradient brought to
+    the layout of a replicated tensor, a Python value out of a tensor).
+    """
     if src_spec.mesh != dst_spec.mesh:
         raise ValueError(
             "cannot redistribute across device meshes "
@@ -175,14 +182,45 @@ def redistribute_local(local: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
         )
     if checks_enabled():  # opt-in collective check that every rank moves the same layouts
         _agreement.verify("redistribute", src_spec.mesh, local, src_spec, None, target=dst_spec)
-    steps = _steps(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
+    steps, growth = _steps(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
+    if growth and implicit:
+        _note_growth(src_spec, dst_spec, growth)
     return run_plan(local, steps, src_spec.mesh)
+
+
+def _note_growth(src_spec, dst_spec, growth) -> None:
+    """Record the plan's gather (from layouts alone: the same decision and numbers on every rank)."""
+    shape, dtype = src_spec.global_shape, src_spec.tensor_meta.dtype
+    nbytes = max(_gathers.box_bytes(s.after.placements, s.after.dim_sizes, shape, dtype.itemsize) for s in growth)
+    kind = "all-gather" if any(s.kind == "gather" for s in growth) else "pending sum of the global size"
+    dims = sorted({s.tensor_dim for s in growth})
+    what = (
+        f"of dim {', '.join(map(str, dims))}: {_gathers.describe_layout(src_spec.placements)} -> "
+        f"{_gathers.describe_layout(dst_spec.placements)} {'x'.join(map(str, shape))} {str(dtype).replace('torch.', '')}"
+    )
+    _gathers.note(kind, what, nbytes, src_spec.mesh)
 
 
 @lru_cache(maxsize=1024)
 def _steps(src: Layout, dst: Layout, mesh_shape: tuple) -> tuple:
-    """:func:`plan`, memoised: planning is pure on layouts, and training repeats the same few redistributions."""
-    return tuple(plan(src, dst, mesh_shape))
+    """:func:`plan`, memoised (planning is pure on layouts, and training repeats the same few redistributions),
+    with its growth steps (gathers, pads to Partial) when the target holds more per rank than the source: an
+    implicit gather unless the caller says the result must be whole."""
+    steps = tuple(plan(src, dst, mesh_shape))
+    # A gather whose result is split as finely as its input (S(0)S(0) -> S(0)S(1): gather, then slice
+    # another dim) only relays data; growth is a layout split over fewer ranks than the input.
+    if _split_factor(dst, mesh_shape) >= _split_factor(src, mesh_shape):
+        return steps, ()
+    return steps, tuple(s for s in steps if s.kind in ("gather", "pad"))
+
+
+def _split_factor(layout: Layout, mesh_shape: tuple) -> int:
+    """Over how many ranks a layout splits the data (the product of the mesh dims that shard it)."""
+    n = 1
+    for m, p in enumerate(layout.placements):
+        if p.is_shard():
+            n *= mesh_shape[m]
+    return n
 
 
 def grad_of_contribution(local: torch.Tensor, spec) -> torch.Tensor:

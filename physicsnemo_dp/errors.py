@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlacementError", "PromotionError"]
+__all__ = ["PlacementError", "PromotionError", "ImplicitGatherError", "ImplicitGatherWarning"]
 
 
 class PlacementError(ValueError, RuntimeError):
@@ -25,3 +25,16 @@ class PromotionError(RuntimeError):
     an operator (``x * w``) into its own "unsupported operand" message, which
     would hide the explanation and the fix.
     """
+
+
+class ImplicitGatherError(RuntimeError):
+    """An op gathered data the size of a whole sharded dim that the result did not ask for, under policy ``"raise"``.
+
+    Raised on every rank alike (the decision reads only layouts) before any
+    data moves; the message names the op, the bytes per rank, the user's
+    source line and the fix (see :func:`physicsnemo_dp.implicit_gathers`).
+    """
+
+
+class ImplicitGatherWarning(UserWarning):
+    """An implicit gather under policy ``"warn"`` (printed once per source line, by the first rank of the mesh)."""

@@ -42,6 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from . import _gathers
 from ._redistribute import redistribute_local
 from ._torch_compat import Function, dynamo_frame_hook_active, eval_frame_callback, pytree, storage_key
 from .errors import PlacementError, PromotionError
@@ -181,7 +182,7 @@ def _summed(grads, specs) -> list:
                 out[i] = _whole(grads[i], specs[i])
             continue
         flat = torch.cat([grads[i]._local_tensor.reshape(-1) for i in members])
-        whole = redistribute_local(flat, *_flat_specs(mesh, placements, flat.numel(), dtype))
+        whole = redistribute_local(flat, *_flat_specs(mesh, placements, flat.numel(), dtype), implicit=False)
         for i, part in zip(members, whole.split_with_sizes([grads[i]._local_tensor.numel() for i in members])):
             out[i] = part.view(grads[i]._local_tensor.shape)
     return out
@@ -189,7 +190,8 @@ def _summed(grads, specs) -> list:
 
 def _whole(grad, spec) -> torch.Tensor:
     """The local tensor of the ShardTensor ``grad`` moved to ``spec``'s layout (Replicate: the whole value)."""
-    return redistribute_local(grad._local_tensor, grad._spec, spec)
+    # a plain tensor's gradient is whole: not an implicit gather
+    return redistribute_local(grad._local_tensor, grad._spec, spec, implicit=False)
 
 
 def _flat_specs(mesh, placements, numel: int, dtype) -> tuple:
@@ -628,7 +630,8 @@ def _gathered_operands(func, flat, spec, ShardTensor, mode):
             "create the destination with x.new_zeros(...) to keep it sharded",
             stacklevel=4,
         )
-    out = [x.full_tensor() if isinstance(x, ShardTensor) else x for x in flat]
+    with _gathers.attributed("sharded values written into a plain tensor", _gathers.FIX_PLAIN_BUFFER):
+        out = [x.full_tensor() if isinstance(x, ShardTensor) else x for x in flat]
     return pytree.tree_unflatten(out, spec)
 
 

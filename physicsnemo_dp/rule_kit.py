@@ -76,11 +76,16 @@ def wrap(local: torch.Tensor, spec):
     return _SHARD_TENSOR_CLS._of_local(local, spec)
 
 
-def to_layout(x, spec) -> torch.Tensor:
-    """Local tensor of ShardTensor ``x`` in the layout (placements and sizes) of ``spec``."""
+def to_layout(x, spec, *, implicit: bool = True) -> torch.Tensor:
+    """Local tensor of ShardTensor ``x`` in the layout (placements and sizes) of ``spec``.
+
+    ``implicit=False`` where the result must be whole by definition (a Python
+    value out of a tensor): a gather is then not reported as implicit
+    (:mod:`physicsnemo_dp._gathers`).
+    """
     if x._spec.placements == spec.placements and x._spec.dim_sizes == spec.dim_sizes:
         return x._local_tensor
-    return redistribute_local(x._local_tensor, x._spec, spec)
+    return redistribute_local(x._local_tensor, x._spec, spec, implicit=implicit)
 
 
 def resolve_partial(x, mesh_dims=None):
@@ -189,7 +194,8 @@ def grad_like(result, spec):
     if placements == src.placements and target.dim_sizes == src.dim_sizes:
         return result
     dst = target.with_layout(placements, target.dim_sizes)
-    return wrap(redistribute_local(result._local_tensor, src, dst), dst)
+    # a gradient in its input's layout: where the input is whole, so is its gradient (not an implicit gather)
+    return wrap(redistribute_local(result._local_tensor, src, dst, implicit=False), dst)
 
 
 def plain_gradient(g: torch.Tensor, spec):

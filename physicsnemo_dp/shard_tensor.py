@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from . import _agreement, _layout, _stall, promotion
+from . import _agreement, _gathers, _layout, _stall, promotion
 from ._conversion import Contiguous, FromLocal, Redistribute, ToLocal
 from ._redistribute import grad_layout, redistribute_local, target_layout
 from ._torch_compat import (
@@ -245,7 +245,12 @@ class ShardTensor(torch.Tensor):
         local tensor that needed no communication (already replicated) and
         is not contiguous.
         """
-        replicated = self.redistribute(placements=(Replicate(),) * self._spec.mesh.ndim)
+        placements = (Replicate(),) * self._spec.mesh.ndim
+        if _gathers.called_by_user():  # the user asked for the whole tensor: not an implicit gather
+            with _gathers.explicit():
+                replicated = self.redistribute(placements=placements)
+        else:
+            replicated = self.redistribute(placements=placements)
         return replicated.to_local(grad_placements=grad_placements).contiguous()
 
     def is_contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
@@ -292,6 +297,9 @@ class ShardTensor(torch.Tensor):
         if dst == self._spec:
             return self
         with _stall.activity(_Move(self._spec, dst)):
+            if _gathers.called_by_user():  # a layout the user asked for: not an implicit gather
+                with _gathers.explicit():
+                    return Redistribute.apply(self, dst)
             return Redistribute.apply(self, dst)
 
     # ---------------------------------------------------------- metadata
@@ -376,7 +384,8 @@ class ShardTensor(torch.Tensor):
         )
         target = target.with_layout(kept, target.dim_sizes)
         if g._spec != target:  # backward rules may leave another (equivalent) layout
-            g = Redistribute.apply(g.detach(), target)
+            with _gathers.explicit():  # the gradient in its tensor's own layout
+                g = Redistribute.apply(g.detach(), target)
             with torch_function_disabled():
                 TensorBase.grad.__set__(self, g)
         return g
@@ -577,7 +586,11 @@ def _dim_sizes_from_dict(shapes_by_mesh_dim: dict, local, mesh, placements) -> t
 
 
 def _relayout(x: ShardTensor, spec: ShardTensorSpec) -> ShardTensor:
-    """``x`` in layout ``spec``: differentiable when ``x`` requires grad, a plain move otherwise."""
-    if x.requires_grad:
-        return Redistribute.apply(x, spec)
-    return ShardTensor(redistribute_local(x._local_tensor, x._spec, spec), spec, requires_grad=False)
+    """``x`` in layout ``spec``: differentiable when ``x`` requires grad, a plain move otherwise.
+
+    Used for torch.compile's tangents, which take their gradient layout: never an implicit gather.
+    """
+    with _gathers.explicit():
+        if x.requires_grad:
+            return Redistribute.apply(x, spec)
+        return ShardTensor(redistribute_local(x._local_tensor, x._spec, spec), spec, requires_grad=False)

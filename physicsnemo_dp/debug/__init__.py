@@ -14,12 +14,17 @@
   (up to thousands of ranks) on one CPU: the real rules on meta tensors over
   torch's fake process group (:class:`Simulation`). Command line:
   ``python -m physicsnemo_dp.debug simulate --help``.
+* :func:`implicit_gathers` — what an implicit gather does (``"warn"`` once per
+  source line, ``"raise"``, ``"allow"``; also ``PDP_IMPLICIT_GATHERS``), the same
+  function as ``physicsnemo_dp.implicit_gathers``; :func:`gather_policy` reads
+  it; ``explain`` lists each :class:`ImplicitGather` of a step.
 * :class:`LiveBytes` — peak live tensor bytes, on CPU and on meta tensors.
 * :mod:`physicsnemo_dp.debug.viz` — pictures of layouts, halos and partitions
   (matplotlib).
 """
 
 from .._checking import checks, checks_enabled
+from .._gathers import ImplicitGather, gather_policy, implicit_gathers
 from ..collectives import CommCounter, count_collectives
 from ._explain import CollectiveCall, Explanation, OpRecord, explain
 from ._memory import LiveBytes, peak_bytes
@@ -28,6 +33,9 @@ from ._simulate import DataDependentError, Simulation, sharded_input, simulate, 
 __all__ = [
     "checks",
     "checks_enabled",
+    "implicit_gathers",
+    "gather_policy",
+    "ImplicitGather",
     "count_collectives",
     "CommCounter",
     "explain",

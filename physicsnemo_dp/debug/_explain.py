@@ -12,7 +12,10 @@ Built from outside the library, from four streams that already exist:
   :func:`~physicsnemo_dp.debug.count_collectives` sums: the per-kind totals
   of an explanation equal a counter's over the same step by construction;
 * :class:`~physicsnemo_dp.debug.LiveBytes` reports every growth of the live
-  bytes, attributed to the row that is running.
+  bytes, attributed to the row that is running;
+* every implicit gather (:mod:`physicsnemo_dp._gathers`: data the size of a
+  whole sharded dim that the op did not ask for) is filed under the row that
+  made it, whatever the policy, and listed in its own section.
 
 Why rows are top-level calls and not ATen ops: the layout decisions (and the
 collectives) are made per call by the op families; ATen ops inside a rule are
@@ -29,7 +32,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import collectives
+from .. import _gathers, collectives
+from .._gathers import ImplicitGather
 from .._torch_compat import pytree
 from ..shard_tensor import ShardTensor
 from ._memory import LiveBytes
@@ -69,6 +73,7 @@ class OpRecord:
     peak_bytes: int = 0
     live_bytes: int = 0
     seconds: float = 0.0
+    gathers: list[ImplicitGather] = field(default_factory=list)
 
     @property
     def sent(self) -> int:
@@ -93,6 +98,7 @@ class OpRecord:
             "peak_bytes": self.peak_bytes,
             "live_bytes": self.live_bytes,
             "seconds": self.seconds,
+            "implicit_gather_bytes": sum(g.nbytes for g in self.gathers),
         }
 
 
@@ -156,6 +162,30 @@ class Explanation:
                 entry["received"] += c.received
         return {k: out[k] for k in sorted(out)}
 
+    def implicit_gathers(self) -> list[tuple[int, ImplicitGather]]:
+        """Every implicit gather of the run as ``(row index, record)``: op, what moved, bytes per rank, source line, fix.
+
+        Data the size of a whole sharded dim that an op materialised without the
+        result needing it (an all-gather to Replicate, a pending sum of the
+        global index length, values written into a plain tensor); listed
+        whatever the policy (:func:`physicsnemo_dp.implicit_gathers`).
+        """
+        return [(r.index, g) for r in self.rows for g in r.gathers]
+
+    def gathers_section(self) -> str:
+        """The "implicit gathers" section of :meth:`table`."""
+        found = self.implicit_gathers()
+        if not found:
+            return "implicit gathers: none"
+        total = sum(g.nbytes for _, g in found)
+        lines = [f"implicit gathers: {len(found)}, {format_bytes(total)} per rank"]
+        fixes: dict[str, None] = {}
+        for index, g in found:
+            lines.append(f"  #{index} {g}")
+            fixes.setdefault(g.fix)
+        lines.extend(f"  fix: {fix}" for fix in fixes)
+        return "\n".join(lines)
+
     def table(self, max_rows: int | None = None, width: int = 36) -> str:
         """The rows as aligned text; each cell cut to ``width`` characters, at most ``max_rows`` rows."""
         head = ("#", "phase", "op", "inputs", "outputs", "collectives", "sent", "recv", "peak", "ms")
@@ -173,6 +203,7 @@ class Explanation:
             lines.append(f"... {len(self.rows) - max_rows} more rows")
         totals = ", ".join(f"{k} {v['calls']} calls {format_bytes(v['sent'])} sent" for k, v in self.collectives().items())
         lines.append(f"peak live bytes {format_bytes(self.peak_bytes)}; collectives: {totals or 'none'}")
+        lines.append(self.gathers_section())
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -266,6 +297,11 @@ class Recorder(TorchFunctionMode):
         row = self._current if self._current is not None else self._outside()
         row.collectives.append(CollectiveCall(kind, where, int(sent), int(received)))
 
+    def implicit_gather(self, record: ImplicitGather) -> None:
+        """Implicit gathers' listener protocol: file one under the running row."""
+        row = self._current if self._current is not None else self._outside()
+        row.gathers.append(record)
+
     # ------------------------------------------------------------ forward
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -329,6 +365,8 @@ class Recorder(TorchFunctionMode):
     def __enter__(self):
         self._listening = collectives._listening(self)
         self._listening.__enter__()
+        self._gathers = _gathers.listening(self)
+        self._gathers.__enter__()
         self.memory.__enter__()
         return super().__enter__()
 
@@ -337,6 +375,7 @@ class Recorder(TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             self.memory.__exit__(*exc)
+            self._gathers.__exit__(*exc)
             self._listening.__exit__(*exc)
             for handle in self._handles:
                 handle.remove()
@@ -344,7 +383,10 @@ class Recorder(TorchFunctionMode):
             self._nodes.clear()
 
     def explanation(self, result=None) -> Explanation:
-        rows = [r for r in self.rows if r.outputs or r.collectives or r.phase == "forward" or r.peak_bytes > r.live_bytes]
+        rows = [
+            r for r in self.rows
+            if r.outputs or r.collectives or r.gathers or r.phase == "forward" or r.peak_bytes > r.live_bytes
+        ]
         for i, r in enumerate(rows):
             r.index = i
         return Explanation(rows, self.memory.peak, result)
@@ -358,7 +400,9 @@ def explain(fn: Callable, *args, **kwargs) -> Explanation:
     placements and local shapes of its tensors, the collectives it issued
     (kind, mesh dim, bytes this rank sent and received, counted as
     :func:`~physicsnemo_dp.debug.count_collectives` counts them), the peak of
-    live bytes while it ran and its wall time. Every rank runs ``fn`` as
+    live bytes while it ran and its wall time. A last section lists the
+    implicit gathers (:meth:`Explanation.implicit_gathers`): op, bytes per
+    rank, the user's source line and the fix, whatever the policy. Every rank runs ``fn`` as
     usual (call ``explain`` on all ranks, like any collective code); each gets
     its own rank's table.
 

@@ -493,7 +493,7 @@ class _Transform(Function):
         local, spec = _run(local, spec, _adjoint(ctx.steps))
         target = grad_layout(ctx.in_spec)
         if spec.placements != target.placements or spec.dim_sizes != target.dim_sizes:
-            local = redistribute_local(local, spec, target)
+            local = redistribute_local(local, spec, target, implicit=False)  # the gradient in its input's layout
         return wrap(local, target), None
 
 

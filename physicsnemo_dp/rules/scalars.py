@@ -37,7 +37,7 @@ def _replicated_local(x) -> torch.Tensor:
     if all(isinstance(p, Replicate) for p in spec.placements):
         return x._local_tensor
     target = spec.with_layout((Replicate(),) * spec.mesh.ndim, (None,) * len(spec.global_shape))
-    return to_layout(x, target)
+    return to_layout(x, target, implicit=False)  # a Python value is the whole tensor by definition
 
 
 def _local_scalar_dense(func, args, kwargs):

@@ -33,7 +33,7 @@ def test_explain_rows_of_a_unet_step(ctx):
     assert e.peak_bytes == max(r["peak_bytes"] for r in records)
     assert sum(r["sent"] for r in records) == counter.total_sent
     lines = str(e).splitlines()
-    assert len(lines) == len(records) + 2 and max(map(len, lines[:-1])) < 300
+    assert len(lines) == len(records) + 3 and max(map(len, lines[:-1])) < 300
 
 
 @distributed(world_sizes=(2, 3), mesh_2d=False)

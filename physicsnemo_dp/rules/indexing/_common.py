@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from ... import _layout, collectives
+from ... import _gathers, _layout, collectives
 from ..._redistribute import redistribute_local, target_layout
 from ..._torch_compat import assert_in_graph, traced
 from ...rule_kit import shard_tensor_cls, to_layout, wrap
@@ -58,9 +58,55 @@ def replicated_spec(spec):
     return spec.with_layout((Replicate(),) * spec.mesh.ndim, (None,) * len(spec.global_shape))
 
 
-def replicated_local(t) -> torch.Tensor:
+def replicated_local(t, *, implicit: bool = True) -> torch.Tensor:
     """The whole of ShardTensor ``t`` on this rank (a gather only where it is sharded or pending)."""
-    return to_layout(t, replicated_spec(t._spec))
+    return to_layout(t, replicated_spec(t._spec), implicit=implicit)
+
+
+def note_index_gather(x_spec, index_specs, out_spec, start: int, ndims: int) -> None:
+    """Record a read whose sharded index is gathered: the output holds the global index length on every rank.
+
+    ``index_specs`` are the index tensors' own layouts, ``out_spec`` the planned
+    output, whose index dims are ``[start, start + ndims)``. Mesh dims that
+    shard an index but none of the output's index dims lose the index's
+    sharding (the index is all-gathered there; where ``x`` is sharded along
+    the indexed dim the output is a pending sum of the whole index length).
+    From layouts alone: the same decision and numbers on every rank.
+    """
+    sharding = {m for s in index_specs for m, p in enumerate(s.placements) if p.is_shard()}
+    if not sharding:
+        return
+    kept = {m for m, p in enumerate(out_spec.placements) if p.is_shard() and start <= p.dim < start + ndims}
+    lost = sharding - kept
+    if not lost:
+        return
+    mesh = out_spec.mesh
+    split = 1
+    for m in kept:
+        split *= mesh.size(m)
+    index_bytes = sum(_numel(s.global_shape) * s.tensor_meta.dtype.itemsize for s in index_specs) // split
+    out_bytes = _gathers.box_bytes(
+        out_spec.placements, out_spec.dim_sizes, out_spec.global_shape, out_spec.tensor_meta.dtype.itemsize
+    )
+    pending = any(out_spec.placements[m].is_partial() for m in lost)
+    kind = "pending sum of the global index length" if pending else "index gathered, output of the global index length"
+    what = (
+        f"(x {_gathers.describe_layout(x_spec.placements)} {_shape(x_spec.global_shape)}, index "
+        f"{' '.join(_gathers.describe_layout(s.placements) + ' ' + _shape(s.global_shape) for s in index_specs)}"
+        f" -> {_gathers.describe_layout(out_spec.placements)} {_shape(out_spec.global_shape)})"
+    )
+    _gathers.note(kind, what, index_bytes + out_bytes, mesh, _gathers.FIX_INDEX)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape)) or "()"
 
 
 def box(spec, d: int) -> tuple[int, int]:
@@ -181,7 +227,7 @@ def to_input_layout(local: torch.Tensor, spec, input_spec):
     target = grad_spec_for(input_spec, pending)
     if target.placements == spec.placements and target.dim_sizes == spec.dim_sizes:
         return local, spec
-    return redistribute_local(local, spec, target), target
+    return redistribute_local(local, spec, target, implicit=False), target  # a gradient in its input's layout
 
 
 def result_shape(x_shape: Sequence[int], positions: Sequence[int], bshape: Sequence[int]):

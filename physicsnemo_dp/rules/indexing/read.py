@@ -40,6 +40,7 @@ from ._common import (
     grad_spec_for,
     localize,
     mesh_of,
+    note_index_gather,
     reading_spec,
     relayout_spec,
     replicated_local,
@@ -106,13 +107,13 @@ def local_indices(plan: ReadPlan, indices):
     """This rank's index tensors (local coordinates) and the ownership mask (or None)."""
     shards = [t for t in indices if t is not None]
     locals_ = []
-    for t in shards:  # all communication first, then the data-dependent checks
+    for t in shards:  # all communication first, then the data-dependent checks (index gathers: note_index_gather)
         if plan.index_spec is not None and tuple(t.shape) == plan.bshape:
-            locals_.append(to_layout(t, plan.index_spec))
+            locals_.append(to_layout(t, plan.index_spec, implicit=False))
         elif plan.index_spec is not None:
-            locals_.append(replicated_to_box(replicated_local(t), plan.index_spec))
+            locals_.append(replicated_to_box(replicated_local(t, implicit=False), plan.index_spec))
         else:
-            locals_.append(replicated_local(t))
+            locals_.append(replicated_local(t, implicit=False))
     owned = None
     out = []
     for d, loc in zip(plan.positions, locals_):
@@ -171,6 +172,8 @@ def read(x, indices, allow_negative: bool = True):
     x = as_shard(x, mesh)
     indices = [None if t is None else as_shard(t, mesh) for t in indices]
     plan = plan_read(x._spec, [None if t is None else t._spec for t in indices], allow_negative)
+    _, start, _ = result_shape(plan.x_spec.global_shape, plan.positions, plan.bshape)
+    note_index_gather(plan.x_spec, [t._spec for t in indices if t is not None], plan.out_spec, start, len(plan.bshape))
     idx, owned = local_indices(plan, indices)
     out = read_local(plan, to_layout(x, plan.x_spec), idx, owned)
     return wrap(out, plan.out_spec), plan, idx, owned
@@ -255,7 +258,8 @@ def gather(x, dim: int, index):
     x, index = as_shard(x, mesh), as_shard(index, mesh)
     dim = normalize_dim(dim, x.ndim)
     plan = plan_gather(x._spec, dim, index._spec)
-    idx = to_layout(index, plan.index_spec)
+    note_index_gather(plan.x_spec, [index._spec], plan.out_spec, 0, index.ndim)
+    idx = to_layout(index, plan.index_spec, implicit=False)
     x_local = _aligned(plan, to_layout(x, plan.x_spec))
     owned = None
     if dim in sharded_dims(plan.x_spec):

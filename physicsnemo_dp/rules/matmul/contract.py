@@ -26,12 +26,14 @@ Wirtinger): the other operands and the scale factors enter conjugated, as in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from ... import _gathers
 from ..._redistribute import grad_layout, redistribute_local
 from ..._torch_compat import SubclassFunction
 from ...rule_kit import grad_like, shard_tensor_cls, wrap
@@ -205,13 +207,17 @@ def _prefer(spec, labels):
 def _grad_of(target_labels, target_spec, tensors, labels, scale):
     """Gradient of one input: an einsum of the output gradient with the other operands."""
     sub_eq = Equation(tuple(labels), tuple(target_labels))
-    g = contract(
-        sub_eq,
-        tensors,
-        alpha=scale,
-        out_shape=target_spec.global_shape,
-        prefer=_prefer(target_spec, target_labels),
-    )
+    # The gradient of a whole (replicated) operand, a weight say, is whole: what its contraction gathers is
+    # not an implicit gather (the forward that used the whole tensor is where one would be reported).
+    whole = all(p.is_replicate() for p in target_spec.placements)
+    with _gathers.explicit() if whole else contextlib.nullcontext():
+        g = contract(
+            sub_eq,
+            tensors,
+            alpha=scale,
+            out_shape=target_spec.global_shape,
+            prefer=_prefer(target_spec, target_labels),
+        )
     return grad_like(g, target_spec)
 
 

@@ -99,16 +99,17 @@ class ImplicitGather:
     def message(self) -> str:
         return (
             f"implicit gather in {self.op} ({self.phase}) at {self.source}: {self.kind} {self.what}, "
-            f"{_format_bytes(self.nbytes)} per rank. Fix: {self.fix}."
+            f"{format_bytes(self.nbytes)} per rank. Fix: {self.fix}."
         )
 
     def __str__(self) -> str:
         return (
-            f"{self.op} ({self.phase}) {self.kind} {self.what}: {_format_bytes(self.nbytes)} per rank at {self.source}"
+            f"{self.op} ({self.phase}) {self.kind} {self.what}: {format_bytes(self.nbytes)} per rank at {self.source}"
         )
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``n`` bytes in B/KiB/MiB/GiB/TiB with three significant digits (also used by ``debug.explain``)."""
     if n < 1024:
         return f"{n} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):

@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _gathers, collectives
-from .._gathers import ImplicitGather
+from .._gathers import ImplicitGather, format_bytes
 from .._torch_compat import pytree
 from ..shard_tensor import ShardTensor
 from ._memory import LiveBytes
@@ -212,17 +212,6 @@ class Explanation:
 
 def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in B/KiB/MiB/GiB with three significant digits."""
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.3g} {unit}"
-    raise AssertionError("unreachable")
 
 
 def describe(t) -> str:

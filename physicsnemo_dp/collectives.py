@@ -216,8 +216,10 @@ def neighbour_exchange(
     recvs = dict(zip((r for r, _ in recv_peers), received.split([n for _, n in recv_peers])))
     if to_me:
         recvs.pop(me).copy_(sends.pop(me))
-    for work in _post(sends.items(), recvs.items(), mesh, mesh_dim, tag=0)[0]:  # waited for here: buffers live
+    works, _, landing = _post(sends.items(), recvs.items(), mesh, mesh_dim, tag=0)
+    for work in works:  # waited for here: the buffers are alive
         work.wait()
+    _land(landing)
     return received
 
 
@@ -429,11 +431,13 @@ class Exchange:
     received: list
     works: list
     sent: list = field(default_factory=list)  # keeps send buffers alive until wait()
+    landing: list = field(default_factory=list)  # (device buffer, host buffer) received through host memory
 
     def wait(self) -> list:
         for work in self.works:
             work.wait()
-        self.works, self.sent = [], []
+        _land(self.landing)
+        self.works, self.sent, self.landing = [], [], []
         return self.received
 
 
@@ -469,15 +473,38 @@ def send_recv(
     )
     if device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
         return Exchange(received, [], sent)
-    works, wires = _post([(to_rank, t) for t in sent], [(from_rank, t) for t in received], mesh, mesh_dim, tag)
-    return Exchange(received, works, wires)
+    works, wires, landing = _post([(to_rank, t) for t in sent], [(from_rank, t) for t in received], mesh, mesh_dim, tag)
+    return Exchange(received, works, wires, landing)
 
 
-def _post(sends, recvs, mesh: DeviceMesh, mesh_dim: int, tag: int) -> tuple[list, list]:
+def _through_host(group, device: torch.device) -> bool:
+    """Whether point-to-point transfers of ``device`` tensors on ``group`` must go through host memory.
+
+    gloo sends and receives CPU tensors only (torch.distributed's backend table:
+    send/recv on GPU ✘, while its collectives take CUDA tensors), so ranks
+    sharing a GPU over gloo stage their halo and ring transfers through the host.
+    """
+    if device.type in ("cpu", "meta"):
+        return False
+    backend = str(torch.distributed.get_backend(group))
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": the backend that serves this device type
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device.type, "")
+    return backend == "gloo"
+
+
+def _land(landing) -> None:
+    """Copy what arrived in host buffers into the device buffers the caller reads (after the works' wait)."""
+    for device_buffer, host_buffer in landing:
+        device_buffer.copy_(host_buffer)
+
+
+def _post(sends, recvs, mesh: DeviceMesh, mesh_dim: int, tag: int) -> tuple[list, list, list]:
     """Post ``(coordinate, tensor)`` sends and receives as one ``batch_isend_irecv`` (to the coordinates' group ranks).
 
-    Returns the work handles and the send buffers as they travel, which must
-    stay alive until the works are waited for.
+    Returns the work handles, the send buffers as they travel, which must
+    stay alive until the works are waited for, and the ``(device buffer, host
+    buffer)`` pairs to copy with :func:`_land` after the wait when the
+    backend moves only host tensors point to point (:func:`_through_host`).
 
     Empty tensors are skipped on both sides (each side knows the shapes).
     gloo moves any dtype point to point (it sends bytes), other backends need
@@ -488,11 +515,15 @@ def _post(sends, recvs, mesh: DeviceMesh, mesh_dim: int, tag: int) -> tuple[list
     to_group = _mesh_order.line(mesh, mesh_dim).to_group
     peer = (lambda c: c) if to_group is None else to_group.__getitem__
     p2p = torch.distributed.P2POp
-    wires = [(r, tc.wire_view(t)) for r, t in sends if t.numel()]
+    sends = [(r, t) for r, t in sends if t.numel()]
+    recvs = [(r, t) for r, t in recvs if t.numel()]
+    landing = []
+    first = sends[0][1] if sends else (recvs[0][1] if recvs else None)
+    if first is not None and _through_host(group, first.device):
+        sends = [(r, t.cpu()) for r, t in sends]  # a synchronous copy: the host buffer is ready when isend starts
+        landing = [(t, torch.empty(t.shape, dtype=t.dtype, device="cpu")) for _, t in recvs]
+        recvs = [(r, host) for (r, _), (_, host) in zip(recvs, landing)]
+    wires = [(r, tc.wire_view(t)) for r, t in sends]
     ops = [p2p(torch.distributed.isend, t, group=group, group_peer=peer(r), tag=tag) for r, t in wires]
-    ops += [
-        p2p(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=peer(r), tag=tag)
-        for r, t in recvs
-        if t.numel()
-    ]
-    return (torch.distributed.batch_isend_irecv(ops) if ops else []), [t for _, t in wires]
+    ops += [p2p(torch.distributed.irecv, tc.wire_view(t), group=group, group_peer=peer(r), tag=tag) for r, t in recvs]
+    return (torch.distributed.batch_isend_irecv(ops) if ops else []), [t for _, t in wires], landing

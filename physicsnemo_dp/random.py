@@ -146,7 +146,8 @@ def _layout(global_shape, mesh, placements, dim_sizes, dtype) -> ShardTensorSpec
 def _factory(kind, params, global_shape, mesh, placements, dim_sizes, dtype, device, generator, requires_grad):
     global_shape = tuple(int(s) for s in global_shape)
     if mesh is None:  # the one-process reference: the whole tensor, same key consumption
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        # device=None means torch's default device, as for torch.randn (CPU unless set_default_device)
+        device = torch.device(device) if device is not None else torch.get_default_device()
         key = _philox.draw_key(device, generator)
         out = _plain(kind, params, key, global_shape, dtype, device)
         return out.requires_grad_(requires_grad)
@@ -187,7 +188,8 @@ def randn(
 
     ``dim_sizes`` gives explicit shard sizes per dim (``ShardTensorSpec.from_sizes``),
     else the split rule applies. Without ``mesh``: the whole tensor as a plain
-    tensor on ``device`` (default CPU), with the values every sharded draw of
+    tensor on ``device`` (default: torch's default device, CPU unless
+    ``torch.set_default_device``), with the values every sharded draw of
     the same shape and generator state gives.
     """
     dtype = dtype or torch.get_default_dtype()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import RankFailure, distributed, get_pool
+from tests._harness.pool import choose_device
 from tests._harness.worker import Job
 
 # ---------------------------------------------------------------- passing tests via @distributed
@@ -23,7 +24,9 @@ from tests._harness.worker import Job
 
 @distributed
 def test_all_reduce_and_mesh(ctx):
-    assert ctx.device.type == ("cuda" if ctx.backend == "nccl" else "cpu")
+    assert ctx.device.type == choose_device(ctx.backend) == ctx.mesh.device_type  # PDP_TEST_DEVICE, or the backend's
+    if ctx.device.type == "cuda":
+        assert ctx.device.index == ctx.rank % torch.cuda.device_count() == torch.cuda.current_device()
     assert dist.get_rank() == ctx.rank and dist.get_world_size() == ctx.world_size
     assert tuple(ctx.mesh.shape) == ctx.mesh_shape
     t = torch.tensor([float(ctx.rank)], device=ctx.device)
@@ -79,6 +82,28 @@ def _patches(ctx, monkeypatch):
 def test_distributed_rejects_fixtures_that_act_on_the_test_process():
     with pytest.raises(TypeError, match=r"\['monkeypatch'\].*try/finally"):
         distributed(_patches)
+
+
+@pytest.mark.parametrize(("env", "backend", "expected"), [
+    ("", "gloo", "cpu"), ("cpu", "gloo", "cpu"), ("", "nccl", "cuda"), ("cuda", "nccl", "cuda"),
+    (" CUDA ", "gloo", "cuda"),  # ranks sharing the GPUs there are, through gloo
+    ("cpu", "nccl", "NCCL moves CUDA tensors only"), ("tpu", "gloo", "expected cpu or cuda"),
+])  # fmt: skip
+def test_pdp_test_device_picks_where_ranks_allocate(monkeypatch, env, backend, expected):
+    monkeypatch.setenv("PDP_TEST_DEVICE", env)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # choose_device asks only this
+    if expected in ("cpu", "cuda"):
+        assert choose_device(backend) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            choose_device(backend)
+
+
+def test_pdp_test_device_cuda_without_a_gpu_says_so(monkeypatch):
+    monkeypatch.setenv("PDP_TEST_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"PDP_TEST_DEVICE=cuda but torch.cuda.is_available\(\) is False"):
+        choose_device("gloo")
 
 
 # ---------------------------------------------------------------- bodies shipped by the pool tests

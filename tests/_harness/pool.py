@@ -63,10 +63,33 @@ def choose_backend(world_size: int) -> str:
     return "gloo"
 
 
+def choose_device(backend: str) -> str:
+    """Where ranks put their tensors: ``cpu`` or ``cuda``.
+
+    ``PDP_TEST_DEVICE`` if set (``cpu`` or ``cuda``), else ``cuda`` with nccl and
+    ``cpu`` with gloo. ``cuda`` with gloo puts several ranks on one GPU (rank ``r``
+    on ``cuda:r % device_count``): the differential tests then run on CUDA
+    tensors on a machine with fewer GPUs than ranks.
+    """
+    wanted = os.environ.get("PDP_TEST_DEVICE", "").strip().lower()
+    if wanted not in ("", "cpu", "cuda"):
+        raise ValueError(f"PDP_TEST_DEVICE={wanted!r}: expected cpu or cuda (or unset: cuda with nccl, else cpu)")
+    if backend == "nccl":
+        if wanted == "cpu":
+            raise ValueError("PDP_TEST_DEVICE=cpu with the nccl backend: NCCL moves CUDA tensors only; "
+                             "set PDP_TEST_BACKEND=gloo for CPU tensors, or PDP_TEST_DEVICE=cuda")
+        return "cuda"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError("PDP_TEST_DEVICE=cuda but torch.cuda.is_available() is False: "
+                         "unset PDP_TEST_DEVICE (CPU tensors) or run on a machine with a GPU")
+    return wanted or "cpu"
+
+
 def get_pool(world_size: int) -> "Pool":
     """The session's pool for ``world_size`` (its processes start with its first job)."""
     if world_size not in _pools:
-        _pools[world_size] = Pool(world_size, choose_backend(world_size))
+        backend = choose_backend(world_size)
+        _pools[world_size] = Pool(world_size, backend, choose_device(backend))
     return _pools[world_size]
 
 
@@ -87,9 +110,10 @@ def _mp_context():
 class Pool:
     """``world_size`` worker processes forming one process group."""
 
-    def __init__(self, world_size: int, backend: str):
+    def __init__(self, world_size: int, backend: str, device_type: str = "cpu"):
         self.world_size = world_size
         self.backend = backend
+        self.device_type = "cuda" if backend == "nccl" else device_type
         self._processes: list = []
         self._conns: list = []
         self._lifeline = None  # write end of a pipe the workers watch: closing it ends them
@@ -113,7 +137,7 @@ class Pool:
                 parent_end, child_end = context.Pipe()
                 process = context.Process(
                     target=worker.main,
-                    args=(child_end, lifeline, rank, self.world_size, self.backend,
+                    args=(child_end, lifeline, rank, self.world_size, self.backend, self.device_type,
                           os.path.join(self._dir, "store"), self._output_path(rank), COLLECTIVE_TIMEOUT),
                     name=f"pdp-rank{rank}-of-{self.world_size}",
                 )
@@ -255,7 +279,7 @@ class Pool:
             else:
                 lines.append(f"{who} did not finish within the {timeout:g} s deadline; "
                              f"their stacks are in the output below")
-        lines.append(f"(world size {self.world_size}, backend {self.backend}: "
+        lines.append(f"(world size {self.world_size}, backend {self.backend}, device {self.device_type}: "
                      f"pool stopped, the next job starts a new one)")
         for outcome in outcomes:
             if outcome.output.strip():

@@ -88,13 +88,13 @@ class Context:
         random.seed(n)
 
 
-def main(conn, lifeline, rank: int, world_size: int, backend: str, store_path: str, output_path: str,
-         collective_timeout: float) -> None:
+def main(conn, lifeline, rank: int, world_size: int, backend: str, device_type: str, store_path: str,
+         output_path: str, collective_timeout: float) -> None:
     """Entry point of a worker process: start up, reply once, then serve jobs until EOF."""
     _detach(lifeline)
     _capture_output(output_path)
     try:
-        device = _join_process_group(rank, world_size, backend, store_path, collective_timeout)
+        device = _join_process_group(rank, world_size, backend, device_type, store_path, collective_timeout)
     except BaseException as exc:
         conn.send(Outcome(rank, "raised", _one_line(exc), traceback.format_exc()))
         return
@@ -147,10 +147,10 @@ def _capture_output(path: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test process asks hung ranks where they are
 
 
-def _join_process_group(rank: int, world_size: int, backend: str, store_path: str,
+def _join_process_group(rank: int, world_size: int, backend: str, device_type: str, store_path: str,
                         collective_timeout: float) -> torch.device:
     torch.set_num_threads(1)  # ranks share 2 cores; more threads only contend
-    if backend == "nccl":
+    if device_type == "cuda":  # nccl: one GPU per rank; gloo: ranks share the GPUs there are
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:

@@ -12,6 +12,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec
 from physicsnemo_dp import _layout
+from physicsnemo_dp.collectives import mesh_device
 
 
 
@@ -67,9 +68,19 @@ def local_piece(global_tensor, spec):
     return piece * partial_weight(spec) if any(isinstance(p, Partial) for p in spec.placements) else piece
 
 
+def on_mesh_device(t, mesh):
+    """``t`` on the device of ``mesh``'s collectives (``ctx.device``): CUDA under ``PDP_TEST_DEVICE=cuda``.
+
+    Tests draw their data on CPU (seeded CPU generators give the same values
+    everywhere) and move it here, so the same test runs on CPU or CUDA tensors.
+    """
+    return t.to(mesh_device(mesh)) if isinstance(t, torch.Tensor) else t
+
+
 def shard_from_global(global_tensor, spec, requires_grad=False):
-    """A ShardTensor with layout ``spec`` holding ``global_tensor`` (a leaf if requires_grad)."""
-    st = ShardTensor(local_piece(global_tensor, spec), spec, requires_grad=False)
+    """A ShardTensor with layout ``spec`` holding ``global_tensor`` (a leaf if requires_grad),
+    its local tensor on the mesh's device."""
+    st = ShardTensor(local_piece(on_mesh_device(global_tensor, spec.mesh), spec), spec, requires_grad=False)
     return st.requires_grad_(requires_grad)
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from physicsnemo_dp import ShardTensor, count_collectives
 
-from ..core._util import make_spec, shard_from_global
+from ..core._util import make_spec, on_mesh_device, shard_from_global
 
 TOL = {
     torch.float64: dict(rtol=1e-10, atol=1e-10),
@@ -51,6 +51,7 @@ def fft_check(fn, g, placements, mesh, *, kind="uneven", salt=0, label="", grad=
     Returns ``(sharded output, forward counter, backward counter)``.
     """
     where = f"{label} placements={placements}"
+    g = on_mesh_device(g, mesh)  # ctx.device: cuFFT under PDP_TEST_DEVICE=cuda
     ref_in = g.detach().clone().requires_grad_(grad)
     spec = make_spec(mesh, placements, tuple(g.shape), kind, dtype=g.dtype, salt=salt)
     x = shard_from_global(g, spec, requires_grad=grad)
@@ -62,7 +63,7 @@ def fft_check(fn, g, placements, mesh, *, kind="uneven", salt=0, label="", grad=
     _close(full(out).detach(), ref.detach(), f"{where} output")
     if not grad:
         return out, fwd, None
-    w = cotangent(ref.shape, ref.dtype)
+    w = cotangent(ref.shape, ref.dtype).to(ref.device)
     ref.backward(w)
     spec = out._spec
     gspec = spec.with_layout(tuple(Replicate() if p.is_partial() else p for p in spec.placements), spec.dim_sizes)

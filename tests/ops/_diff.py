@@ -17,8 +17,9 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from physicsnemo_dp import ShardTensor
+from physicsnemo_dp.collectives import mesh_device
 
-from ..core._util import box, make_spec, shard_from_global
+from ..core._util import box, make_spec, on_mesh_device, shard_from_global
 
 #: World sizes of the op-family and spatial-op tests besides the 2x2 mesh (``@distributed``'s default adds 4).
 #: 3 ranks make uneven and empty shards; the 2x2 mesh has 4 ranks and the 2-D placements.
@@ -110,7 +111,9 @@ def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", 
         kind: ``"uneven"`` (deliberately uneven sizes with empty shards) or ``"chunk"``.
     Returns the sharded output (for further checks).
     """
+    inputs = [(on_mesh_device(g, mesh), p) for g, p in inputs]  # ctx.device: CUDA under PDP_TEST_DEVICE=cuda
     if module is not None:
+        module.to(mesh_device(mesh))
         module.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both from zero
     ref_module = copy.deepcopy(module) if module is not None else None
     dtype = inputs[0][0].dtype
@@ -144,6 +147,7 @@ def check(fn, inputs, mesh, *, module=None, kind="uneven", grad=True, label="", 
         w = torch.randint(-4, 5, tuple(r.shape), generator=gen).to(r.dtype)
         if r.is_complex():  # an imaginary part too: a real cotangent would miss sign errors of conjugation
             w = w + 1j * torch.randint(-4, 5, tuple(r.shape), generator=gen).to(r.dtype)
+        w = w.to(r.device)
         refs.append(r)
         grads_ref.append(w)
         outs.append(o)

@@ -189,7 +189,7 @@ def _metadata(ctx, op, out: ShardTensor, ref: torch.Tensor, full: torch.Tensor, 
 def _cotangent(ctx, out, ref: torch.Tensor, gen: torch.Generator):
     """The same random cotangent for both, the sharded one in ``out``'s gradient layout."""
     values = torch.randn(ref.shape, generator=gen, dtype=torch.complex128 if ref.is_complex() else torch.float64)
-    values = values.to(ref.dtype)
+    values = values.to(ref.dtype).to(ref.device)
     if not isinstance(out, ShardTensor):
         return values, values
     spec = out._spec
@@ -219,7 +219,7 @@ def _rank_body(ctx, case: Case):
     ctx = dataclasses.replace(ctx, mesh=_mesh_of(ctx, case))
     op = OPS[case.op]
     dtype = DTYPES[case.dtype]
-    fulls = [_global(desc, dtype, case.seed + 7919 * i) for i, desc in enumerate(case.inputs)]
+    fulls = [_global(desc, dtype, case.seed + 7919 * i).to(ctx.device) for i, desc in enumerate(case.inputs)]
     differentiable = [case.requires_grad and desc.kind == "float" for desc in case.inputs]
     refs = [f.clone().requires_grad_(g) for f, g in zip(fulls, differentiable)]
     try:

@@ -9,6 +9,7 @@ moves only as a same-size stand-in.
 
 import pytest
 import torch
+from torch.distributed.tensor.placement_types import Shard
 
 from physicsnemo_dp import collectives, count_collectives
 from physicsnemo_dp.spatial._halo_plan import plan_dim, source_rows
@@ -97,3 +98,39 @@ def test_bad_peer_lists_raise_naming_the_argument(ctx):
         collectives.neighbour_exchange(rows, ((other, 3),), (), ctx.mesh, 0)
     with pytest.raises(ValueError, match="sends itself 2 rows"):
         collectives.neighbour_exchange(rows, ((me, 2),), (), ctx.mesh, 0)
+
+
+@distributed(world_sizes=(3,), mesh_2d=False)
+def test_point_to_point_through_host_memory_where_gloo_needs_it(ctx):
+    """gloo sends and receives CPU tensors only: ranks sharing a GPU over gloo stage halo and ring
+    transfers through the host (``collectives._through_host``). Forced here on CPU tensors, the staged
+    path must land the same rows in the caller's buffers, for the halo exchange and the ring's send_recv."""
+    import torch.nn.functional as F
+
+    from ..attention.test_ring import _inputs
+
+    assert not collectives._through_host(ctx.mesh.get_group(0), torch.device("cpu"))
+    assert not collectives._through_host(ctx.mesh.get_group(0), torch.device("meta"))
+    sizes, windows = _layout(3)
+    me, start = ctx.rank, offsets_from_sizes(sizes)[ctx.rank]
+    p = plan_dim(sizes, windows, me, "circular", 0, 0)
+    G = _global(sum(sizes), torch.float64)
+    send = G[start : start + sizes[me]][p.send_index]
+    direct = collectives.neighbour_exchange(send, p.send_peers, p.recv_peers, ctx.mesh, 0, kind="halo")
+    (q, k, v), _ = _inputs(ctx.mesh, [(Shard(2),)] * 3)
+    ring = F.scaled_dot_product_attention(q, k, v).to_local()
+    staged = collectives._through_host
+    collectives._through_host = lambda group, device: True
+    try:
+        landed = collectives.neighbour_exchange(send, p.send_peers, p.recv_peers, ctx.mesh, 0, kind="halo")
+        nxt, prev = (me + 1) % 3, (me - 1) % 3
+        mine = torch.full((2, 3), float(me), dtype=torch.float64)
+        exchange = collectives.send_recv([mine], nxt, [((2, 3), torch.float64)], prev, ctx.mesh, 0)
+        assert len(exchange.landing) == 1 and exchange.landing[0][0] is exchange.received[0]
+        (got,) = exchange.wait()
+        ring_staged = F.scaled_dot_product_attention(q, k, v).to_local()
+    finally:
+        collectives._through_host = staged
+    assert torch.equal(landed, direct)
+    assert torch.equal(got, torch.full((2, 3), float(prev), dtype=torch.float64))
+    assert torch.equal(ring_staged, ring)

@@ -28,7 +28,9 @@ recorded by autograd as usual and its backward ops, if they have no rule
 either, go through the fallback too (so keep the backward inside the block,
 or use the environment variable). Ops that write into an argument (in-place,
 ``out=``) or return a view of one are refused with a clear error: the whole
-copy the op would write into is not the argument.
+copy the op would write into is not the argument. So are random ops
+(``nondeterministic_seeded``: ``multinomial``, ``poisson``, ``nn.LSTM``...):
+each rank would draw from its own generator.
 
 The state is a :class:`contextvars.ContextVar`, like the checking mode
 (:mod:`physicsnemo_dp._checking`): blocks nest, restore on exit, and a thread
@@ -99,7 +101,7 @@ def fallback(mode: str | None = "gather") -> Iterator[None]:
     communication); other outputs are ``Replicate``. Each such call is an
     implicit gather (``physicsnemo_dp.implicit_gathers``: warned once per op
     with the bytes per rank, refused on every rank under ``"raise"``). In-place
-    and ``out=`` ops, and ops returning a view, are refused. Off by default;
+    and ``out=`` ops, ops returning a view and random ops are refused. Off by default;
     re-entrant, usable as a decorator; ``PDP_FALLBACK=gather`` turns it on
     outside any block (also for autograd's device threads). Keep the backward
     inside the block: backward ops without a rule take the fallback too.
@@ -111,7 +113,15 @@ def fallback(mode: str | None = "gather") -> Iterator[None]:
         _MODE.reset(token)
 
 
-def _refuse_mutation(func) -> None:
+def _refuse(func) -> None:
+    """Ops the fallback cannot run faithfully: writes into an argument, views of one, random draws."""
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        raise NotImplementedError(
+            f"ShardTensor has no rule for {func}, and physicsnemo_dp.fallback('gather') does not run it: the op "
+            "draws random numbers, and each rank would draw its own from its generator, so the 'replicated' "
+            "result could differ between ranks. Draw on the full tensor (every rank alike) and shard it, or "
+            "build the draw from rand_like/randn_like (decomposition-invariant, docs/random.md)."
+        )
     schema = getattr(func, "_schema", None)
     if schema is None:
         return
@@ -129,7 +139,7 @@ def _refuse_mutation(func) -> None:
 
 def run_gathered(func, args, kwargs):
     """Run ``func`` on whole operands (see the module docstring); called by the dispatch hook when no rule exists."""
-    _refuse_mutation(func)
+    _refuse(func)
     cls = shard_tensor_cls()
     flat, tree = pytree.tree_flatten((args, kwargs))
     operands = [a for a in flat if isinstance(a, cls)]

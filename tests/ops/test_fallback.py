@@ -79,6 +79,9 @@ def test_fallback(ctx):
         # in-place and out= ops are refused, with the way out
         with pytest.raises(NotImplementedError, match=r"index_fill_.*writes into its argument\(s\) self"):
             sx.clone().index_fill_(0, torch.tensor([1]), 0.0)
+        # random ops too: each rank would draw from its own generator
+        with pytest.raises(NotImplementedError, match=r"poisson.*draws random numbers"):
+            torch.poisson(sx.abs())
 
     # The environment variable turns it on outside any block (read at use).
     os.environ["PDP_FALLBACK"] = "gather"

@@ -10,6 +10,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .collectives import CommCounter, count_collectives
 from .errors import ImplicitGatherError, ImplicitGatherWarning, PlacementError, PromotionError
 from ._gathers import implicit_gathers
+from .dispatch.fallback import fallback
 from .promotion import TensorPromotionMode, bucket_gradients, get_promotion_mode, promotion_mode, set_promotion_mode
 from .scatter import scatter_tensor
 from .shard_tensor import ShardTensor
@@ -40,6 +41,7 @@ __all__ = [
     "PlacementError",
     "PromotionError",
     "implicit_gathers",
+    "fallback",
     "ImplicitGatherError",
     "ImplicitGatherWarning",
     "chunk_sizes",

@@ -289,11 +289,13 @@ def _fix_for(op: str) -> str:
 # --------------------------------------------------------------------------- #
 # The record
 # --------------------------------------------------------------------------- #
-def note(kind: str, what: str, nbytes: int, mesh, fix: str | None = None) -> None:
+def note(kind: str, what: str, nbytes: int, mesh, fix: str | None = None, once=None) -> None:
     """Record one implicit gather and apply the policy (raises before the caller moves anything).
 
     ``mesh`` is the op's mesh: the warning is printed by the rank at
     coordinate 0 on every mesh dim (one copy per mesh, not one per rank).
+    ``once`` is what the warning is printed once per (default: the user's
+    source line; the gather fallback passes its op).
     """
     if _EXPLICIT.get():
         return
@@ -311,8 +313,9 @@ def note(kind: str, what: str, nbytes: int, mesh, fix: str | None = None) -> Non
         raise ImplicitGatherError(
             record.message() + " (policy 'raise': physicsnemo_dp.implicit_gathers / PDP_IMPLICIT_GATHERS)"
         )
-    if policy == "warn" and source not in _WARNED:
-        _WARNED.add(source)
+    key = source if once is None else once
+    if policy == "warn" and key not in _WARNED:
+        _WARNED.add(key)
         if _first_rank(mesh):
             filename, _, line = source.rpartition(":")
             warnings.warn_explicit(

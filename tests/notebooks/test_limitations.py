@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+import physicsnemo_dp
 from physicsnemo_dp import Partial, Replicate, Shard, ShardTensor, launch, promotion_mode, scatter_tensor
 from tests._harness import distributed
 
@@ -31,6 +32,7 @@ EXPECTED = {
     "op across meshes": ("PlacementError", "ShardTensor arguments live on different device meshes"),
     # ops
     "no rule": ("NotImplementedError", "ShardTensor has no rule for"),
+    "fallback in-place": ("NotImplementedError", "physicsnemo_dp.fallback('gather') does not run it"),
     "as_strided": ("NotImplementedError", "strides of the global tensor do not describe any rank's local memory"),
     "view dtype wider": ("PlacementError", "elements into one along the last dim, which is sharded"),
     "view_as_complex sharded pair": ("PlacementError", "view_as_complex: the last dim (the real and imaginary parts, size 2) is sharded"),
@@ -99,6 +101,8 @@ def test_one_dim_mesh_cases(ctx, tmp_path):
     _check("op across meshes", lambda: x + y)
 
     _check("no rule", lambda: x.index_fill(0, torch.tensor([1]), 1.0))
+    with physicsnemo_dp.fallback("gather"):
+        _check("fallback in-place", lambda: x.clone().index_fill_(0, torch.tensor([1]), 1.0))
     _check("as_strided", lambda: x.as_strided((2, 2), (1, 1)))
     _check("view dtype wider", lambda: _rows(ctx, (2, 6), dim=1).view(torch.float64))  # shards of 3 floats
     _check("view_as_complex sharded pair", lambda: torch.view_as_complex(_rows(ctx, (3, 2), dim=1)))

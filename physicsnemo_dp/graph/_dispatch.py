@@ -11,9 +11,10 @@ the generic indexing rule or function, unchanged.
   dispatch level (reads inside backward formulas, e.g. ``index_add``'s) without
   autograd. ``x`` sharded over the graph's mesh dim in another layout raises
   ``PlacementError``; a replicated ``x`` takes the generic path (already local).
-* Reads ``x[idx]``, ``index_select(x, 0, idx)``, ``F.embedding(idx, x)`` with
-  any other sharded integer index ShardTensor and ``x`` row-sharded over one
-  mesh dim: by request (:mod:`._requests`), output laid out like ``idx``.
+* Reads ``x[idx]``, ``index_select(x, 0, idx)``, ``F.embedding(idx, x)``,
+  ``gather(x, 0, idx)``, ``take_along_dim(x, idx, 0)`` with any other sharded
+  integer index ShardTensor and ``x`` row-sharded over one mesh dim: by
+  request (:mod:`._requests`), output laid out like ``idx``.
 * Writes ``index_add``, ``scatter_add``, ``scatter_reduce``, ``scatter`` (in place
   or not) with a ``dst`` index: local (:mod:`._aggregate`). ATen's backward
   formulas of these ops are reads and writes with the same index, so their
@@ -31,7 +32,7 @@ from ..rules import indexing
 from ..rules.indexing.functions import _default
 from ._aggregate import aggregate, eligible
 from ._graph import GraphIndex, graph_of
-from ._requests import RequestRead, request_read, requestable
+from ._requests import RequestRead, gatherable, request_read, requestable
 from ._rows import GraphRows, graph_rows
 
 __all__ = ["RULES", "FUNCTIONS"]
@@ -127,8 +128,18 @@ def _functions():
         if bound is not None and _gather_ok(*bound) and not kwargs.get("sparse_grad", False):
             gi = _readable(bound[0], bound[2])
         if gi is None:
+            if bound is not None and not kwargs.get("sparse_grad", False) and gatherable(*bound):
+                return RequestRead.apply(bound[0], bound[2], False, "gather", None)
             return generic[func](func, types, args, kwargs)
         return _narrowed(GraphRows.apply(bound[0], gi), tuple(bound[2].shape))
+
+    def take_along_dim(func, types, args, kwargs):
+        a = dict(zip(("input", "indices", "dim"), args), **kwargs)
+        x, index, dim = a.get("input"), a.get("indices"), a.get("dim")
+        if (set(a) == {"input", "indices", "dim"} and isinstance(dim, int) and isinstance(index, torch.Tensor)
+                and index.ndim == x.ndim and tuple(index.shape[1:]) == tuple(x.shape[1:]) and gatherable(x, dim, index)):
+            return RequestRead.apply(x, index, False, "gather", None)
+        return _default(func, args, kwargs)
 
     def embedding(func, types, args, kwargs):
         names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
@@ -145,6 +156,7 @@ def _functions():
         ((torch.Tensor.__getitem__,), getitem),
         ((torch.index_select, torch.Tensor.index_select), index_select),
         ((torch.gather, torch.Tensor.gather), gather),
+        ((torch.take_along_dim, torch.Tensor.take_along_dim), take_along_dim),
     ):
         for f in funcs:
             table[f] = handler
@@ -177,6 +189,8 @@ def _read_rule(op):
             if (op == aten.index_select.default and a["index"].ndim == 1 and normalize_dim(a["dim"], max(x.ndim, 1)) == 0
                     and requestable(x, a["index"]) is not None):
                 return request_read(x, a["index"], False, "index_select")[0]
+            if op == aten.gather.default and not a["sparse_grad"] and gatherable(x, a["dim"], a["index"]):
+                return request_read(x, a["index"], False, "gather")[0]
             return generic(func, args, kwargs)
         rows = graph_rows(gi, x)
         if op != aten.gather.default:

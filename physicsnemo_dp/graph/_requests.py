@@ -11,11 +11,13 @@ ghost rows** (:func:`fetch_rows`); its backward sends the ghost rows' summed
 gradients to their owners in one all-to-all and adds them there
 (:func:`return_grads`). Nothing of the global row count is ever held.
 
-:func:`~physicsnemo_dp.graph.build_graph` plans its sources with it; reads
-``x[idx]``, ``index_select(x, 0, idx)`` and ``embedding(idx, weight)`` with
-any sharded integer index ShardTensor use it through :class:`RequestRead`,
-with the plan cached on the index tensor (checked against its version
-counter, so editing the index in place makes a new plan).
+:func:`~physicsnemo_dp.graph.build_graph` plans its sources with it. Reads
+with any sharded integer index ShardTensor use it through :class:`RequestRead`:
+``x[idx]``, ``index_select(x, 0, idx)`` and ``embedding(idx, weight)`` row by
+row, ``gather(x, 0, idx)`` / ``take_along_dim(x, idx, 0)`` element by element
+(``x`` read as a row-sharded vector). The plan is cached on the index tensor
+(checked against its version counter, so editing the index in place makes a
+new plan).
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from .. import _mesh_order, collectives
 from .._torch_compat import Function, traced
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 
-__all__ = ["RowPlan", "plan_rows", "fetch_rows", "return_grads", "RequestRead", "request_read", "requestable"]
+__all__ = [
+    "RowPlan",
+    "plan_rows",
+    "fetch_rows",
+    "return_grads",
+    "RequestRead",
+    "request_read",
+    "requestable",
+    "gatherable",
+]
 
 
 @dataclass(frozen=True)
@@ -152,10 +163,39 @@ def requestable(x, index) -> int | None:
     return dims[0]
 
 
+def _numel(shape) -> int:
+    n = 1
+    for k in shape:
+        n *= k
+    return n
+
+
+def _element_offsets(x_spec, index) -> torch.Tensor:
+    """``gather``: per local index entry, its position in a row of ``x`` (``x``'s trailing dims, row-major)."""
+    local = index._local_tensor
+    offsets = index._spec.local_offsets()
+    trailing = tuple(x_spec.global_shape[1:])
+    col = torch.zeros(local.shape, dtype=torch.int64, device=local.device)
+    stride = 1
+    for d in reversed(range(1, local.ndim)):
+        shape = [1] * local.ndim
+        shape[d] = local.shape[d]
+        col += ((torch.arange(local.shape[d], device=local.device) + offsets[d]) * stride).reshape(shape)
+        stride *= trailing[d - 1]
+    return col.reshape(-1)
+
+
 def _plan_for(x_spec, index, mesh_dim: int, allow_negative: bool, op: str) -> RowPlan:
-    """The cached plan of ``index`` for rows laid out as ``x_spec`` (made, collectively, if missing or stale)."""
-    sizes = tuple(x_spec.dim_sizes[0])
-    key = (mesh_dim, sizes, allow_negative)
+    """The cached plan of ``index`` for ``x_spec``'s rows (made, collectively, if missing or stale).
+
+    ``op == "gather"`` plans single elements: ``x`` is read as a row-sharded
+    vector of ``N * prod(trailing)`` entries, and entry ``(i, j...)`` of the
+    index asks for element ``index[i, j...] * prod(trailing) + flat(j...)``.
+    """
+    elements = op == "gather"
+    width = _numel(x_spec.global_shape[1:]) if elements else 1
+    sizes = tuple(s * width for s in x_spec.dim_sizes[0])
+    key = (mesh_dim, sizes, allow_negative, elements)
     cache = index.__dict__.setdefault(_CACHE, {})
     hit = cache.get(key)
     if hit is not None and hit[0] is x_spec.mesh and hit[1] == index._version:
@@ -172,6 +212,8 @@ def _plan_for(x_spec, index, mesh_dim: int, allow_negative: bool, op: str) -> Ro
         ids = ids[:0]  # plan nothing here; every rank raises below
     elif allow_negative:
         ids = torch.where(ids < 0, ids + size, ids)
+    if elements and not status[0]:
+        ids = ids * width + _element_offsets(x_spec, index)
 
     def check(rows):
         for rank, row in enumerate(rows):
@@ -182,14 +224,13 @@ def _plan_for(x_spec, index, mesh_dim: int, allow_negative: bool, op: str) -> Ro
                 )
 
     plan = plan_rows(ids, sizes, x_spec.mesh, mesh_dim, head=status, check=check)
-    cache.clear()  # one layout at a time: a stale plan is never kept alive
-    cache[key] = (x_spec.mesh, index._version, plan)
+    cache[key] = (x_spec.mesh, index._version, plan)  # one entry per layout and kind of read
     return plan
 
 
-def _out_spec(x_spec, index):
+def _out_spec(x_spec, index, elements: bool):
     ix = index._spec
-    rest = tuple(x_spec.global_shape[1:])
+    rest = () if elements else tuple(x_spec.global_shape[1:])
     return type(x_spec).from_sizes(
         x_spec.mesh,
         tuple(p if p.is_shard() else Replicate() for p in ix.placements),
@@ -199,13 +240,25 @@ def _out_spec(x_spec, index):
     )
 
 
+def gatherable(x, dim, index) -> bool:
+    """Whether ``gather(x, dim, index)`` / ``take_along_dim`` takes the request path (metadata only)."""
+    if not isinstance(dim, int) or requestable(x, index) is None or index.ndim != x.ndim:
+        return False
+    return dim % x.ndim == 0 and all(i <= k for i, k in zip(index.shape[1:], x.shape[1:]))
+
+
 def request_read(x, index, allow_negative: bool = True, op: str = "indexing"):
-    """``x[index]`` along dim 0 by request (no autograd): laid out like ``index``; also returns the plan."""
+    """``x[index]`` along dim 0 by request (no autograd): laid out like ``index``; also returns the plan.
+
+    ``op == "gather"``: ``torch.gather(x, 0, index)`` (element by element).
+    """
     mesh_dim = requestable(x, index)
+    elements = op == "gather"
     plan = _plan_for(x._spec, index, mesh_dim, allow_negative, op)
-    rows = fetch_rows(plan, x._local_tensor)
-    local = rows.reshape(tuple(index._local_tensor.shape) + tuple(rows.shape[1:]))
-    return wrap(local, _out_spec(x._spec, index)), plan
+    local = x._local_tensor.reshape(-1) if elements else x._local_tensor
+    rows = fetch_rows(plan, local)
+    out = rows.reshape(tuple(index._local_tensor.shape) + tuple(rows.shape[1:]))
+    return wrap(out, _out_spec(x._spec, index, elements)), plan
 
 
 def _grad_spec(x_spec, index, mesh_dim: int):
@@ -217,7 +270,12 @@ def _grad_spec(x_spec, index, mesh_dim: int):
 
 
 class RequestRead(Function):
-    """Differentiable :func:`request_read`; rows equal to ``padding_idx`` (embedding) get no gradient."""
+    """Differentiable :func:`request_read`; rows equal to ``padding_idx`` (embedding) get no gradient.
+
+    Every collective of the backward is the plan's: one all-to-all of the
+    ghost rows' summed gradients (none where the index is replicated over the
+    rows' mesh dim: each owner then already holds its rows' share).
+    """
 
     @staticmethod
     def forward(x, index, allow_negative, op, padding_idx):
@@ -230,6 +288,7 @@ class RequestRead(Function):
         ctx.plan = _plan_for(x._spec, index, mesh_dim, allow_negative, op)  # the cached plan of forward
         ctx.exchange = index._spec.placements[mesh_dim].is_shard()
         ctx.out_spec = output._spec
+        ctx.elements = op == "gather"
         ctx.grad_spec = _grad_spec(x._spec, index, mesh_dim)
         ctx.pad = None
         if padding_idx is not None:
@@ -238,6 +297,9 @@ class RequestRead(Function):
     @staticmethod
     def backward(ctx, grad):
         local = to_layout(grad, ctx.out_spec, implicit=False)
+        if ctx.elements:
+            g = return_grads(ctx.plan, local.reshape(-1), ctx.exchange).reshape(ctx.grad_spec.local_shape)
+            return wrap(g, ctx.grad_spec), None, None, None, None
         rows = local.reshape((-1, *ctx.grad_spec.global_shape[1:]))
         if ctx.pad is not None:
             rows = torch.where(ctx.pad.reshape((-1,) + (1,) * (rows.ndim - 1)), 0, rows)

@@ -57,13 +57,15 @@ def test_each_kind_is_recorded_with_op_bytes_and_line(ctx):
     x, x_full = _sharded(ctx.mesh, (N, F_), 0, requires_grad=True)
     idx, idx_full = _sharded(ctx.mesh, (E,), 1, dtype=torch.int64, salt=1)
     with implicit_gathers("allow"), listening(_Records()) as sink:
-        # x[idx] / index_select with an index ShardTensor that is not a graph's: rows by request, not recorded
+        # x[idx] / index_select / gather along dim 0 with an index ShardTensor that is not a graph's: by request
         y = x[idx]
         assert torch.equal(y.full_tensor(), x_full[idx_full]) and y.placements == idx.placements
         torch.index_select(x, 0, idx)
-        # gather with such an index: a pending sum of the whole index length
-        line_gather = _here() + 1
         torch.gather(x, 0, idx[:, None].expand(E, F_).contiguous())
+        # gather with such an index along a dim that is not the leading one: a pending sum of the index length
+        xt, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1)
+        line_gather = _here() + 1
+        torch.gather(xt, 1, idx[None, :].expand(F_, E).contiguous())
         # sharded values written into a plain buffer (torch_scatter's torch.zeros(N, F).scatter_add_ pattern)
         src, src_full = _sharded(ctx.mesh, (E, F_), 2, salt=2)
         line_plain = _here() + 1

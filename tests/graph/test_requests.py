@@ -101,6 +101,40 @@ def test_request_reads(ctx):
                 again = op(x, idx)
             torch.testing.assert_close(again.full_tensor(), x_full[idx_full])
             assert counter.total_calls == counter.calls["all_to_all"] == 1, name
+        # gather / take_along_dim (element by element), embedding with padding_idx, a 2-D index for x[idx]
+        idx2_full = torch.randint(0, N, (L, 2), generator=gen)
+        w2_full = torch.randn(L, 2, dtype=torch.float64, generator=gen)
+        w3_full = torch.randn(L, 2, FEAT, dtype=torch.float64, generator=gen)
+        cases = [
+            (lambda x, i: torch.gather(x, 0, i), lambda x, i: torch.gather(x, 0, i), idx2_full, w2_full),
+            (
+                lambda x, i: x.take_along_dim(i, 0),
+                lambda x, i: x.take_along_dim(i, 0),
+                torch.cat([idx2_full, idx2_full[:, :1]], 1),
+                w_full,
+            ),
+            (
+                lambda x, i: F.embedding(i, x, padding_idx=3),
+                lambda x, i: F.embedding(i, x, padding_idx=3),
+                idx_full,
+                w_full,
+            ),
+            (lambda x, i: x[i], lambda x, i: x[i], idx2_full, w3_full),
+        ]
+        for op, ref_op, i_full, wt in cases:
+            x = _shard(mesh, x_full, md, X_SIZES[group]).requires_grad_()
+            idx = _shard(mesh, i_full, k, i_sizes)
+            with physicsnemo_dp.implicit_gathers("raise"), count_collectives() as counter:
+                y = op(x, idx)
+            assert counter.calls["all_to_all"] == 2 and y.placements == idx.placements
+            ref_x = x_full.clone().requires_grad_()
+            ref = ref_op(ref_x, i_full)
+            torch.testing.assert_close(y.full_tensor(), ref)
+            w = ShardTensor.from_spec(_shard(mesh, wt, k, i_sizes)._local_tensor, y._spec)
+            with physicsnemo_dp.implicit_gathers("raise"):
+                (y * w).sum().backward()
+            (ref * wt).sum().backward()
+            torch.testing.assert_close(x.grad.full_tensor(), ref_x.grad)
         # an in-place edit of the index makes a new plan
         idx = _shard(mesh, idx_full, k, i_sizes)
         x = _shard(mesh, x_full, md, X_SIZES[group])

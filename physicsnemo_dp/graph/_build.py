@@ -8,9 +8,10 @@ Communication (on the node mesh dim's group; the metadata rows over the whole me
 2. **all-to-all 1**: the edges, ``(src, dst)`` and their ``edge_attr`` packed as
    bytes in one buffer, to the owner of ``dst``. Received in sending-rank order,
    each sender's edges in their original order (a stable sort by owner);
-3. one all-gather of the ghost counts (how many rows each rank needs from each peer);
-4. **all-to-all 2**: the sorted ghost ids, to their owners, which keep them as
-   the rows they send on every gather.
+3. the ghost plan of :func:`._requests.plan_rows`: one all-gather of the ghost
+   counts (how many rows each rank needs from each peer), then **all-to-all 2**:
+   the sorted ghost ids, to their owners, which keep them as the rows they send
+   on every gather.
 
 Nothing else is ever exchanged for the plan; gathering features then costs one
 all-to-all of exactly the ghost rows (:mod:`._rows`).
@@ -26,6 +27,7 @@ from .. import _mesh_order, collectives
 from ..errors import PlacementError
 from ..rule_kit import shard_tensor_cls
 from ._graph import ShardedGraph
+from ._requests import group_rows, plan_rows
 
 __all__ = ["build_graph"]
 
@@ -106,21 +108,6 @@ def _raise_first_error(rows) -> None:
         )
 
 
-def _group_rows(mesh, mesh_dim: int) -> list[int]:
-    """Positions, in ``gather_ints`` order, of the ranks of this rank's group along ``mesh_dim``."""
-    shape = tuple(mesh.shape)
-    coord = list(mesh.get_coordinate())
-    out = []
-    for k in range(shape[mesh_dim]):
-        c = coord.copy()
-        c[mesh_dim] = k
-        flat = 0
-        for extent, i in zip(shape, c):
-            flat = flat * extent + i
-        out.append(flat)
-    return out
-
-
 def _pack(pairs: torch.Tensor, attr) -> torch.Tensor:
     """Edges ``(E, 2)`` int64 and their attributes as one ``(E, bytes)`` uint8 buffer (one all-to-all)."""
     parts = [pairs.contiguous().view(torch.uint8)]
@@ -191,7 +178,7 @@ def build_graph(edge_index: torch.Tensor, nodes, *, edge_attr: torch.Tensor | No
         counts = torch.bincount(owner, minlength=group).tolist()
     row = [*status, _attr_signature(edge_attr), sum(counts), *counts]
     rows = collectives.gather_ints(row, mesh)
-    members = _group_rows(mesh, mesh_dim)
+    members = group_rows(mesh, mesh_dim)
     _raise_first_error(rows)
     incoming = [rows[r][_HEAD + me] for r in members]
     edge_sizes = [sum(rows[r][_HEAD + p] for r in members) for p in range(group)]
@@ -205,14 +192,7 @@ def build_graph(edge_index: torch.Tensor, nodes, *, edge_attr: torch.Tensor | No
 
     n_local = spec.dim_sizes[0][me]
     offset = int(ends[me]) - n_local
-    is_local = (src >= offset) & (src < offset + n_local)
-    ghost_ids = torch.unique(src[~is_local])  # sorted: grouped by owner, owners ascending
-    ghost_owner = torch.searchsorted(ends.to(device), ghost_ids, right=True)
-    ghost_counts = torch.bincount(ghost_owner, minlength=group).tolist()
-    slot = torch.where(is_local, src - offset, n_local + torch.searchsorted(ghost_ids, src))
-    needed = collectives.gather_ints(ghost_counts, mesh)
-    send_counts = [needed[r][me] for r in members]
-    requested = collectives.all_to_all_v(ghost_ids, ghost_counts, send_counts, mesh, mesh_dim)
+    plan = plan_rows(src, spec.dim_sizes[0], mesh, mesh_dim)  # ghost counts, then the ghost ids to owners
 
     n_edges = src.shape[0]
     buffer = torch.empty(2 * n_edges + 1, dtype=torch.int64, device=device)
@@ -221,6 +201,5 @@ def build_graph(edge_index: torch.Tensor, nodes, *, edge_attr: torch.Tensor | No
     buffer[n_edges + 1:] = dst
     return ShardedGraph(
         nodes_spec=spec, mesh_dim=mesh_dim, edge_sizes=edge_sizes, buffer=buffer, edge_attr=attr,
-        ghost_ids=ghost_ids, ghost_counts=ghost_counts, send_rows=requested - offset, send_counts=send_counts,
-        src_slot=slot, dst_local=dst - offset,
+        plan=plan, dst_local=dst - offset,
     )

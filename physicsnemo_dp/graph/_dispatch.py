@@ -11,6 +11,10 @@ the generic indexing rule or function, unchanged.
   dispatch level (reads inside backward formulas, e.g. ``index_add``'s) without
   autograd. ``x`` sharded over the graph's mesh dim in another layout raises
   ``PlacementError``; a replicated ``x`` takes the generic path (already local).
+* Reads ``x[idx]``, ``index_select(x, 0, idx)``, ``F.embedding(idx, x)``,
+  ``gather(x, 0, idx)``, ``take_along_dim(x, idx, 0)`` with any other sharded
+  integer index ShardTensor and ``x`` row-sharded over one mesh dim: by
+  request (:mod:`._requests`), output laid out like ``idx``.
 * Writes ``index_add``, ``scatter_add``, ``scatter_reduce``, ``scatter`` (in place
   or not) with a ``dst`` index: local (:mod:`._aggregate`). ATen's backward
   formulas of these ops are reads and writes with the same index, so their
@@ -25,8 +29,10 @@ from torch.distributed.tensor.placement_types import Shard
 from ..errors import PlacementError
 from ..rule_kit import bind_args, normalize_dim, shard_tensor_cls, wrap
 from ..rules import indexing
+from ..rules.indexing.functions import _default
 from ._aggregate import aggregate, eligible
 from ._graph import GraphIndex, graph_of
+from ._requests import RequestRead, gatherable, request_read, requestable
 from ._rows import GraphRows, graph_rows
 
 __all__ = ["RULES", "FUNCTIONS"]
@@ -99,15 +105,20 @@ def _functions():
         t = _single_index(index)
         gi = _readable(x, t) if t is not None else None
         if gi is None:
+            if t is not None and requestable(x, t) is not None:
+                return RequestRead.apply(x, t, True, "indexing", None)
             return generic[func](func, types, args, kwargs)
         return GraphRows.apply(x, gi)
 
     def index_select(func, types, args, kwargs):
         bound = _bound(func, args, kwargs, ("input", "dim", "index"))
         gi = None
-        if bound is not None and isinstance(bound[1], int) and normalize_dim(bound[1], max(bound[0].ndim, 1)) == 0:
+        dim0 = bound is not None and isinstance(bound[1], int) and normalize_dim(bound[1], max(bound[0].ndim, 1)) == 0
+        if dim0:
             gi = _readable(bound[0], bound[2])
         if gi is None or bound[2].ndim != 1:
+            if dim0 and bound[2].ndim == 1 and requestable(bound[0], bound[2]) is not None:
+                return RequestRead.apply(bound[0], bound[2], False, "index_select", None)
             return generic[func](func, types, args, kwargs)
         return GraphRows.apply(bound[0], gi)
 
@@ -117,14 +128,35 @@ def _functions():
         if bound is not None and _gather_ok(*bound) and not kwargs.get("sparse_grad", False):
             gi = _readable(bound[0], bound[2])
         if gi is None:
+            if bound is not None and not kwargs.get("sparse_grad", False) and gatherable(*bound):
+                return RequestRead.apply(bound[0], bound[2], False, "gather", None)
             return generic[func](func, types, args, kwargs)
         return _narrowed(GraphRows.apply(bound[0], gi), tuple(bound[2].shape))
 
+    def take_along_dim(func, types, args, kwargs):
+        a = dict(zip(("input", "indices", "dim"), args), **kwargs)
+        x, index, dim = a.get("input"), a.get("indices"), a.get("dim")
+        if (set(a) == {"input", "indices", "dim"} and isinstance(dim, int) and isinstance(index, torch.Tensor)
+                and index.ndim == x.ndim and tuple(index.shape[1:]) == tuple(x.shape[1:]) and gatherable(x, dim, index)):
+            return RequestRead.apply(x, index, False, "gather", None)
+        return _default(func, args, kwargs)
+
+    def embedding(func, types, args, kwargs):
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+        a = dict(zip(names, args), **kwargs)
+        plain = (a.get("max_norm") is None and not a.get("scale_grad_by_freq", False) and not a.get("sparse", False)
+                 and set(a) <= set(names) and "input" in a and "weight" in a)
+        if plain and requestable(a["weight"], a["input"]) is not None:
+            return RequestRead.apply(a["weight"], a["input"], False, "embedding", a.get("padding_idx"))
+        return _default(func, args, kwargs)
+
     table = {}
     for funcs, handler in (
+        ((torch.nn.functional.embedding,), embedding),
         ((torch.Tensor.__getitem__,), getitem),
         ((torch.index_select, torch.Tensor.index_select), index_select),
         ((torch.gather, torch.Tensor.gather), gather),
+        ((torch.take_along_dim, torch.Tensor.take_along_dim), take_along_dim),
     ):
         for f in funcs:
             table[f] = handler
@@ -139,8 +171,10 @@ def _read_rule(op):
 
     def rule(func, args, kwargs):
         a = bind_args(func, args, kwargs)
-        x = a["self"]
-        if op == aten.index.Tensor:
+        x = a["self"] if op != aten.embedding.default else a["weight"]
+        if op == aten.embedding.default:
+            gi = None
+        elif op == aten.index.Tensor:
             idx = a["indices"]
             gi = _readable(x, idx[0]) if len(idx) == 1 and idx[0] is not None else None
         elif op == aten.index_select.default:
@@ -148,6 +182,15 @@ def _read_rule(op):
         else:
             gi = _readable(x, a["index"]) if _gather_ok(x, a["dim"], a["index"]) and not a["sparse_grad"] else None
         if gi is None:
+            if op == aten.embedding.default and requestable(x, a["indices"]) is not None:
+                return request_read(x, a["indices"], False, "embedding")[0]
+            if op == aten.index.Tensor and len(idx) == 1 and requestable(x, idx[0]) is not None:
+                return request_read(x, idx[0], True, "indexing")[0]
+            if (op == aten.index_select.default and a["index"].ndim == 1 and normalize_dim(a["dim"], max(x.ndim, 1)) == 0
+                    and requestable(x, a["index"]) is not None):
+                return request_read(x, a["index"], False, "index_select")[0]
+            if op == aten.gather.default and not a["sparse_grad"] and gatherable(x, a["dim"], a["index"]):
+                return request_read(x, a["index"], False, "gather")[0]
             return generic(func, args, kwargs)
         rows = graph_rows(gi, x)
         if op != aten.gather.default:
@@ -193,6 +236,7 @@ def _write_rule(op):
     return rule
 
 
-RULES: dict = {op: _read_rule(op) for op in (aten.index.Tensor, aten.index_select.default, aten.gather.default)}
+RULES: dict = {op: _read_rule(op) for op in (aten.index.Tensor, aten.index_select.default, aten.gather.default,
+                                              aten.embedding.default)}
 RULES.update({op: _write_rule(op) for op in _WRITES})
 FUNCTIONS: dict = _functions()

@@ -69,8 +69,7 @@ class ShardedGraph:
     """
 
     def __init__(self, *, nodes_spec, mesh_dim: int, edge_sizes, buffer: torch.Tensor, edge_attr,
-                 ghost_ids: torch.Tensor, ghost_counts, send_rows: torch.Tensor, send_counts,
-                 src_slot: torch.Tensor, dst_local: torch.Tensor) -> None:
+                 plan, dst_local: torch.Tensor) -> None:
         self.nodes_spec = nodes_spec
         self.mesh = nodes_spec.mesh
         self.mesh_dim = mesh_dim
@@ -82,13 +81,12 @@ class ShardedGraph:
         self.edge_sizes = tuple(int(s) for s in edge_sizes)
         self.num_edges = sum(self.edge_sizes)
         self.num_local_edges = self.edge_sizes[self.rank]
-        self.ghost_ids = ghost_ids
-        self.ghost_counts = tuple(int(c) for c in ghost_counts)
-        self.num_ghosts = sum(self.ghost_counts)
-        self.src_slot = src_slot
+        self.plan = plan  # the sources' row plan (._requests.RowPlan)
+        self.ghost_ids = plan.ghost_ids
+        self.ghost_counts = plan.ghost_counts
+        self.num_ghosts = plan.num_ghosts
+        self.src_slot = plan.slot
         self.dst_local = dst_local
-        self._send_rows = send_rows
-        self._send_counts = tuple(int(c) for c in send_counts)
         n = self.num_local_edges
         self._buffer = buffer
         setattr(buffer.untyped_storage(), _ATTR, weakref.ref(self))

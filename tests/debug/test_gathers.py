@@ -57,14 +57,15 @@ def test_each_kind_is_recorded_with_op_bytes_and_line(ctx):
     x, x_full = _sharded(ctx.mesh, (N, F_), 0, requires_grad=True)
     idx, idx_full = _sharded(ctx.mesh, (E,), 1, dtype=torch.int64, salt=1)
     with implicit_gathers("allow"), listening(_Records()) as sink:
-        # a read with an index ShardTensor that is not a graph's: a pending sum of the whole index length
-        line_read = _here() + 1
+        # x[idx] / index_select / gather along dim 0 with an index ShardTensor that is not a graph's: by request
         y = x[idx]
-        assert torch.equal(y.full_tensor(), x_full[idx_full])
-        line_select = _here() + 1
+        assert torch.equal(y.full_tensor(), x_full[idx_full]) and y.placements == idx.placements
         torch.index_select(x, 0, idx)
-        line_gather = _here() + 1
         torch.gather(x, 0, idx[:, None].expand(E, F_).contiguous())
+        # gather with such an index along a dim that is not the leading one: a pending sum of the index length
+        xt, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1)
+        line_gather = _here() + 1
+        torch.gather(xt, 1, idx[None, :].expand(F_, E).contiguous())
         # sharded values written into a plain buffer (torch_scatter's torch.zeros(N, F).scatter_add_ pattern)
         src, src_full = _sharded(ctx.mesh, (E, F_), 2, salt=2)
         line_plain = _here() + 1
@@ -79,14 +80,10 @@ def test_each_kind_is_recorded_with_op_bytes_and_line(ctx):
     by_line = {}
     for r in sink.found:
         by_line.setdefault(r.source, []).append(r)
-    assert set(by_line) == {_src(n) for n in (line_read, line_select, line_gather, line_plain, line_mm)}
-    (read,) = by_line[_src(line_read)]
-    assert (read.op, read.phase, read.fix) == ("__getitem__", "forward", FIX_INDEX)
-    assert read.kind == "pending sum of the global index length" and read.nbytes == E * 8 + E * F_ * 4
-    (select,) = by_line[_src(line_select)]
-    assert select.op == "index_select" and select.nbytes == E * 8 + E * F_ * 4
+    assert set(by_line) == {_src(n) for n in (line_gather, line_plain, line_mm)}
     (gather,) = by_line[_src(line_gather)]
-    assert gather.op == "gather" and gather.nbytes == E * F_ * 8 + E * F_ * 4
+    assert (gather.op, gather.phase, gather.fix) == ("gather", "forward", FIX_INDEX)
+    assert gather.kind == "pending sum of the global index length" and gather.nbytes == E * F_ * 8 + E * F_ * 4
     plain = by_line[_src(line_plain)]  # the index and the source, each gathered whole
     assert [r.op for r in plain] == ["index_add_"] * 2 and {r.fix for r in plain} == {FIX_PLAIN_BUFFER}
     assert sorted(r.nbytes for r in plain) == [E * 8, E * F_ * 4]
@@ -102,12 +99,12 @@ def test_each_kind_is_recorded_with_op_bytes_and_line(ctx):
 
 @distributed(world_sizes=(3,), mesh_2d=True)
 def test_raise_is_the_same_error_on_every_rank_before_anything_moves(ctx):
-    x, _ = _sharded(ctx.mesh, (N, F_), 0)
+    x, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1)  # read along dim 1: no request path
     idx, _ = _sharded(ctx.mesh, (E,), 1, dtype=torch.int64, salt=1)
     with count_collectives() as counter, implicit_gathers("raise"):
         with pytest.raises(ImplicitGatherError) as error:
             line = _here() + 1
-            x[idx]
+            x[:, idx]
     assert counter.summary() == {}  # raised before any collective
     message = str(error.value)
     assert "__getitem__" in message and _src(line) in message and "build_graph" in message
@@ -120,16 +117,16 @@ def test_raise_is_the_same_error_on_every_rank_before_anything_moves(ctx):
 
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_warn_once_per_line_by_the_first_rank_and_allow_is_silent(ctx):
-    x, _ = _sharded(ctx.mesh, (N, F_), 0)
+    x, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1)  # read along dim 1: no request path
     idx, _ = _sharded(ctx.mesh, (E,), 1, dtype=torch.int64, salt=1)
     assert gather_policy() == "warn"  # the default
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             line = _here() + 1
-            x[idx]
+            x[:, idx]
         with implicit_gathers("allow"):
-            x[idx[:7]]
+            x[:, idx[:7]]
     ours = [w for w in caught if issubclass(w.category, ImplicitGatherWarning)]
     if ctx.rank == 0:
         assert len(ours) == 1 and (ours[0].filename, ours[0].lineno) == (__file__, line)
@@ -140,21 +137,21 @@ def test_warn_once_per_line_by_the_first_rank_and_allow_is_silent(ctx):
 
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_environment_variable_and_block_precedence(ctx):
-    x, _ = _sharded(ctx.mesh, (N, F_), 0)
+    x, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1)  # read along dim 1: no request path
     idx, _ = _sharded(ctx.mesh, (E,), 1, dtype=torch.int64, salt=1)
     old = os.environ.get("PDP_IMPLICIT_GATHERS")
     try:
         os.environ["PDP_IMPLICIT_GATHERS"] = "raise"
         assert gather_policy() == "raise"
         with pytest.raises(ImplicitGatherError):
-            x[idx]
+            x[:, idx]
         with implicit_gathers("allow"):  # a block wins over the environment
-            x[idx]
+            x[:, idx]
         os.environ["PDP_IMPLICIT_GATHERS"] = "ALLOW"
-        x[idx]
+        x[:, idx]
         os.environ["PDP_IMPLICIT_GATHERS"] = "loud"
         with pytest.raises(ValueError, match="PDP_IMPLICIT_GATHERS.*'warn', 'raise', 'allow'.*'loud'"):
-            x[idx]
+            x[:, idx]
     finally:
         if old is None:
             os.environ.pop("PDP_IMPLICIT_GATHERS", None)
@@ -167,12 +164,12 @@ def test_environment_variable_and_block_precedence(ctx):
 
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_explain_lists_the_implicit_gathers_of_the_step(ctx):
-    x, _ = _sharded(ctx.mesh, (N, F_), 0, requires_grad=True)
+    x, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1, requires_grad=True)
     idx, _ = _sharded(ctx.mesh, (E,), 1, dtype=torch.int64, salt=1)
     line = _here() + 3
 
     def step():
-        (x[idx] * 2).sum().backward()
+        (x[:, idx] * 2).sum().backward()
 
     with implicit_gathers("allow"):
         e = explain(step)

@@ -21,6 +21,11 @@ Shard(other dim)         nothing; output sharded like     all-gather of the inde
 Partial                  nothing; output Partial          all-gather of the index
 =======================  ===============================  ===========================================
 
+``x[idx]``, ``index_select(x, 0, idx)``, ``F.embedding(idx, x)``,
+``gather(x, 0, idx)`` and ``take_along_dim(x, idx, 0)`` with a sharded index and ``x`` row-sharded over one mesh dim do not reach the table's
+"index sharded / Shard(indexed dim)" cell: the graph family fetches the rows by
+request (:mod:`physicsnemo_dp.graph._requests`), output laid out like the index.
+
 A Partial output is reduced by whoever needs its value (one all-reduce or
 reduce-scatter of the output). No read moves data in its backward: each rank
 scatters the output gradient into the entries it owns.

@@ -1,0 +1,306 @@
+"""Request-based row exchange: the ghost plan shared by graphs and by reads with any sharded index.
+
+A *row plan* says, for a list of global row ids this rank wants from a tensor
+whose dim 0 is sharded over one mesh dim, where each id lives: a row of this
+rank's shard, or a *ghost* (a distinct remote row, fetched once however often
+it is asked for). Making it costs one all-gather of a short row of ints per
+rank (the ghost counts, plus a status so a bad id on one rank raises on every
+rank) and **one all-to-all of the distinct remote ids** to their owners, which
+keep them as the rows they send. Using it costs **one all-to-all of exactly the
+ghost rows** (:func:`fetch_rows`); its backward sends the ghost rows' summed
+gradients to their owners in one all-to-all and adds them there
+(:func:`return_grads`). Nothing of the global row count is ever held.
+
+:func:`~physicsnemo_dp.graph.build_graph` plans its sources with it. Reads
+with any sharded integer index ShardTensor use it through :class:`RequestRead`:
+``x[idx]``, ``index_select(x, 0, idx)`` and ``embedding(idx, weight)`` row by
+row, ``gather(x, 0, idx)`` / ``take_along_dim(x, idx, 0)`` element by element
+(``x`` read as a row-sharded vector). The plan is cached on the index tensor
+(checked against its version counter, so editing the index in place makes a
+new plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from .. import _mesh_order, collectives
+from .._torch_compat import Function, traced
+from ..rule_kit import shard_tensor_cls, to_layout, wrap
+
+__all__ = [
+    "RowPlan",
+    "plan_rows",
+    "fetch_rows",
+    "return_grads",
+    "RequestRead",
+    "request_read",
+    "requestable",
+    "gatherable",
+]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where the requested rows live. ``slot[k]``: row of request ``k`` in ``[local rows | ghost rows]``."""
+
+    mesh: object
+    mesh_dim: int
+    num_local: int  # rows of this rank's shard
+    slot: torch.Tensor
+    ghost_ids: torch.Tensor  # sorted distinct remote ids (grouped by owner, owners ascending)
+    ghost_counts: tuple  # ghosts from each coordinate of mesh_dim
+    send_rows: torch.Tensor  # local rows this rank sends, peers' requests back to back
+    send_counts: tuple  # rows sent to each coordinate
+
+    @property
+    def num_ghosts(self) -> int:
+        return sum(self.ghost_counts)
+
+
+def group_rows(mesh, mesh_dim: int) -> list[int]:
+    """Positions, in ``gather_ints`` order, of the ranks of this rank's group along ``mesh_dim``."""
+    shape = tuple(mesh.shape)
+    coord = list(mesh.get_coordinate())
+    out = []
+    for k in range(shape[mesh_dim]):
+        c = coord.copy()
+        c[mesh_dim] = k
+        flat = 0
+        for extent, i in zip(shape, c):
+            flat = flat * extent + i
+        out.append(flat)
+    return out
+
+
+def plan_rows(ids: torch.Tensor, sizes, mesh, mesh_dim: int, *, head=(), check=None) -> RowPlan:
+    """Plan fetching rows ``ids`` (1-D int64, global ids in range) of a dim sharded as ``sizes`` (collective).
+
+    ``head`` (ints, the same count on every rank) travels in front of the ghost
+    counts in the one all-gather; ``check(rows)`` sees every rank's ``head``
+    before anything else moves and may raise (then it raises on every rank).
+    """
+    group = mesh.size(mesh_dim)
+    me = _mesh_order.coordinate(mesh, mesh_dim)
+    ends = torch.tensor(tuple(sizes), dtype=torch.int64, device=ids.device).cumsum(0)
+    n_local = int(sizes[me])
+    offset = int(ends[me]) - n_local
+    is_local = (ids >= offset) & (ids < offset + n_local)
+    ghost_ids = torch.unique(ids[~is_local])  # sorted: grouped by owner, owners ascending
+    ghost_counts = torch.bincount(torch.searchsorted(ends, ghost_ids, right=True), minlength=group).tolist()
+    slot = torch.where(is_local, ids - offset, n_local + torch.searchsorted(ghost_ids, ids))
+    rows = collectives.gather_ints([*head, *ghost_counts], mesh)
+    if check is not None:
+        check(rows)
+    h = len(head)
+    send_counts = [rows[r][h + me] for r in group_rows(mesh, mesh_dim)]
+    requested = collectives.all_to_all_v(ghost_ids, ghost_counts, send_counts, mesh, mesh_dim)
+    return RowPlan(
+        mesh, mesh_dim, n_local, slot, ghost_ids, tuple(ghost_counts), requested - offset, tuple(send_counts)
+    )
+
+
+def fetch_rows(plan: RowPlan, x_local: torch.Tensor) -> torch.Tensor:
+    """The requested rows ``(len(ids), ...)`` of the sharded tensor whose local shard is ``x_local``."""
+    send = x_local.index_select(0, plan.send_rows)
+    ghosts = collectives.all_to_all_v(send, plan.send_counts, plan.ghost_counts, plan.mesh, plan.mesh_dim)
+    return torch.cat([x_local, ghosts]).index_select(0, plan.slot)
+
+
+def return_grads(plan: RowPlan, grad_rows: torch.Tensor, exchange: bool = True) -> torch.Tensor:
+    """Local shard's gradient of :func:`fetch_rows` from the requested rows' gradient.
+
+    Gradients of repeated ids are summed first, the ghost sums go to their
+    owners in one all-to-all. ``exchange=False`` keeps only the local rows'
+    part (when every rank of the group holds the same requests and the same
+    gradient, each owner already has its own rows' share).
+    """
+    n = plan.num_local
+    rest = tuple(grad_rows.shape[1:])
+    if not exchange:
+        keep = plan.slot < n
+        return grad_rows.new_zeros((n, *rest)).index_add_(0, plan.slot[keep], grad_rows[keep])
+    slots = grad_rows.new_zeros((n + plan.num_ghosts, *rest)).index_add_(0, plan.slot, grad_rows)
+    back = collectives.all_to_all_v(slots[n:], plan.ghost_counts, plan.send_counts, plan.mesh, plan.mesh_dim)
+    return slots[:n].index_add_(0, plan.send_rows, back)
+
+
+# --------------------------------------------------------------------------- #
+# reads with any sharded index
+# --------------------------------------------------------------------------- #
+_CACHE = "_pdp_row_plans"
+
+
+def requestable(x, index) -> int | None:
+    """The mesh dim sharding ``x``'s rows if ``x[index]`` takes the request path, else None.
+
+    ``x``: dim 0 sharded over exactly one mesh dim, Replicate elsewhere;
+    ``index``: an integer ShardTensor on the same mesh, sharded (any dims) over
+    at least one mesh dim and Replicate elsewhere. From metadata only.
+    """
+    ShardTensor = shard_tensor_cls()
+    if not isinstance(x, ShardTensor) or not isinstance(index, ShardTensor) or x.ndim == 0:
+        return None
+    xs, ix = x._spec, index._spec
+    if xs.mesh != ix.mesh or ix.tensor_meta.dtype not in (
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    ):
+        return None
+    dims = [m for m, p in enumerate(xs.placements) if p == Shard(0)]
+    if len(dims) != 1 or any(not p.is_replicate() for m, p in enumerate(xs.placements) if m != dims[0]):
+        return None
+    if any(p.is_partial() for p in ix.placements) or not any(p.is_shard() for p in ix.placements):
+        return None
+    if traced(index._local_tensor):
+        return None
+    return dims[0]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for k in shape:
+        n *= k
+    return n
+
+
+def _element_offsets(x_spec, index) -> torch.Tensor:
+    """``gather``: per local index entry, its position in a row of ``x`` (``x``'s trailing dims, row-major)."""
+    local = index._local_tensor
+    offsets = index._spec.local_offsets()
+    trailing = tuple(x_spec.global_shape[1:])
+    col = torch.zeros(local.shape, dtype=torch.int64, device=local.device)
+    stride = 1
+    for d in reversed(range(1, local.ndim)):
+        shape = [1] * local.ndim
+        shape[d] = local.shape[d]
+        col += ((torch.arange(local.shape[d], device=local.device) + offsets[d]) * stride).reshape(shape)
+        stride *= trailing[d - 1]
+    return col.reshape(-1)
+
+
+def _plan_for(x_spec, index, mesh_dim: int, allow_negative: bool, op: str) -> RowPlan:
+    """The cached plan of ``index`` for ``x_spec``'s rows (made, collectively, if missing or stale).
+
+    ``op == "gather"`` plans single elements: ``x`` is read as a row-sharded
+    vector of ``N * prod(trailing)`` entries, and entry ``(i, j...)`` of the
+    index asks for element ``index[i, j...] * prod(trailing) + flat(j...)``.
+    """
+    elements = op == "gather"
+    width = _numel(x_spec.global_shape[1:]) if elements else 1
+    sizes = tuple(s * width for s in x_spec.dim_sizes[0])
+    key = (mesh_dim, sizes, allow_negative, elements)
+    cache = index.__dict__.setdefault(_CACHE, {})
+    hit = cache.get(key)
+    if hit is not None and hit[0] is x_spec.mesh and hit[1] == index._version:
+        return hit[2]
+    ids = index._local_tensor.reshape(-1).to(torch.int64)
+    size = x_spec.global_shape[0]
+    lo = -size if allow_negative else 0
+    status = [0, 0]
+    if ids.numel():
+        vmin, vmax = int(ids.min()), int(ids.max())
+        if vmin < lo or vmax >= size:
+            status = [1, vmin if vmin < lo else vmax]
+    if status[0]:
+        ids = ids[:0]  # plan nothing here; every rank raises below
+    elif allow_negative:
+        ids = torch.where(ids < 0, ids + size, ids)
+    if elements and not status[0]:
+        ids = ids * width + _element_offsets(x_spec, index)
+
+    def check(rows):
+        for rank, row in enumerate(rows):
+            if row[0]:
+                raise IndexError(
+                    f"{op}: index {row[1]} (on rank {rank}) is out of bounds for dim 0 with size {size} "
+                    f"(valid: [{lo}, {size - 1}])"
+                )
+
+    plan = plan_rows(ids, sizes, x_spec.mesh, mesh_dim, head=status, check=check)
+    cache[key] = (x_spec.mesh, index._version, plan)  # one entry per layout and kind of read
+    return plan
+
+
+def _out_spec(x_spec, index, elements: bool):
+    ix = index._spec
+    rest = () if elements else tuple(x_spec.global_shape[1:])
+    return type(x_spec).from_sizes(
+        x_spec.mesh,
+        tuple(p if p.is_shard() else Replicate() for p in ix.placements),
+        tuple(ix.global_shape) + rest,
+        x_spec.tensor_meta.dtype,
+        tuple(ix.dim_sizes) + (None,) * len(rest),
+    )
+
+
+def gatherable(x, dim, index) -> bool:
+    """Whether ``gather(x, dim, index)`` / ``take_along_dim`` takes the request path (metadata only)."""
+    if not isinstance(dim, int) or requestable(x, index) is None or index.ndim != x.ndim:
+        return False
+    return dim % x.ndim == 0 and all(i <= k for i, k in zip(index.shape[1:], x.shape[1:]))
+
+
+def request_read(x, index, allow_negative: bool = True, op: str = "indexing"):
+    """``x[index]`` along dim 0 by request (no autograd): laid out like ``index``; also returns the plan.
+
+    ``op == "gather"``: ``torch.gather(x, 0, index)`` (element by element).
+    """
+    mesh_dim = requestable(x, index)
+    elements = op == "gather"
+    plan = _plan_for(x._spec, index, mesh_dim, allow_negative, op)
+    local = x._local_tensor.reshape(-1) if elements else x._local_tensor
+    rows = fetch_rows(plan, local)
+    out = rows.reshape(tuple(index._local_tensor.shape) + tuple(rows.shape[1:]))
+    return wrap(out, _out_spec(x._spec, index, elements)), plan
+
+
+def _grad_spec(x_spec, index, mesh_dim: int):
+    """``x``'s gradient layout: a pending sum over the mesh dims where only the index is sharded."""
+    from ..rules.indexing._common import grad_spec_for
+
+    pending = {m for m, p in enumerate(index._spec.placements) if p.is_shard() and m != mesh_dim}
+    return grad_spec_for(x_spec, pending)
+
+
+class RequestRead(Function):
+    """Differentiable :func:`request_read`; rows equal to ``padding_idx`` (embedding) get no gradient.
+
+    Every collective of the backward is the plan's: one all-to-all of the
+    ghost rows' summed gradients (none where the index is replicated over the
+    rows' mesh dim: each owner then already holds its rows' share).
+    """
+
+    @staticmethod
+    def forward(x, index, allow_negative, op, padding_idx):
+        return request_read(x, index, allow_negative, op)[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, index, allow_negative, op, padding_idx = inputs
+        mesh_dim = requestable(x, index)
+        ctx.plan = _plan_for(x._spec, index, mesh_dim, allow_negative, op)  # the cached plan of forward
+        ctx.exchange = index._spec.placements[mesh_dim].is_shard()
+        ctx.out_spec = output._spec
+        ctx.elements = op == "gather"
+        ctx.grad_spec = _grad_spec(x._spec, index, mesh_dim)
+        ctx.pad = None
+        if padding_idx is not None:
+            ctx.pad = index._local_tensor.reshape(-1) == padding_idx % x.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = to_layout(grad, ctx.out_spec, implicit=False)
+        if ctx.elements:
+            g = return_grads(ctx.plan, local.reshape(-1), ctx.exchange).reshape(ctx.grad_spec.local_shape)
+            return wrap(g, ctx.grad_spec), None, None, None, None
+        rows = local.reshape((-1, *ctx.grad_spec.global_shape[1:]))
+        if ctx.pad is not None:
+            rows = torch.where(ctx.pad.reshape((-1,) + (1,) * (rows.ndim - 1)), 0, rows)
+        return wrap(return_grads(ctx.plan, rows, ctx.exchange), ctx.grad_spec), None, None, None, None

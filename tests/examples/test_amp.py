@@ -72,28 +72,34 @@ def test_fp16_with_grad_scaler_under_fsdp2_and_resume(tmp_path):
     assert "--amp changed fp16 → bf16 on resume" in other["log"]
 
 
-def overflowing(ctx, out: str) -> dict:
+def overflowing(ctx, out: str, strategy: str) -> dict:
     """Rank body: the U-Net in fp16 with a loss scale of 2**40, so every step's float16 gradients overflow."""
     make = _common._grad_scaler
     _common._grad_scaler = lambda args, context, model: torch.amp.GradScaler(context.device.type, init_scale=2.0**40)
     try:
         options = {**UNET, "--amp": "fp16", "--steps": 3}
-        result = unet_darcy.run(argv({**options, "--strategy": "ddp"}, out), context(ctx, "ddp"))
+        result = unet_darcy.run(argv({**options, "--strategy": strategy}, out), context(ctx, strategy))
     finally:
         _common._grad_scaler = make
     args = unet_darcy.parse_args(argv(options, out))
+
+    def make_model():
+        return unet_darcy.UNet(width=args.width, depth=args.depth)
+
     torch.manual_seed(args.seed)  # the initial weights, as build_training makes them
-    start = unet_darcy.UNet(width=args.width, depth=args.depth).state_dict()
-    end = {k.removeprefix("module."): v for k, v in result["model"].state_dict().items()}
+    start = make_model().state_dict()
+    end = _common.plain_replica(result["model"], make_model).state_dict()  # FSDP2's shards gathered
     return {"losses": result["losses"], "log": (Path(out) / "train.log").read_text(),
             "unchanged": all(torch.equal(end[k], v) for k, v in start.items())}
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.timeout(600)
-def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
-    """Overflowing fp16 gradients on (2, 2) with DDP: every rank skips every step, logs it, the scale backs off."""
-    result = on_layout(__name__, "overflowing", (2, 2), out=str(tmp_path))
-    assert result["unchanged"]  # no optimizer step was taken (rank 0's weights; DDP keeps the ranks equal)
+def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path, strategy):
+    """Overflowing fp16 gradients on (2, 2): every rank skips every step, logs it, the scale backs off. Under
+    FSDP2 each ddp rank holds a shard of the gradients: DTensor all-reduces the scaler's inf flag."""
+    result = on_layout(__name__, "overflowing", (2, 2), out=str(tmp_path), strategy=strategy)
+    assert result["unchanged"]  # no optimizer step was taken (the full weights; a step on any rank would show)
     assert len(result["losses"]) == 3 and all(math.isfinite(v) for v in result["losses"])  # the loss is finite
     for step, scale in ((1, 2.0**40), (2, 2.0**39), (3, 2.0**38)):
         assert (f"step {step}: --amp fp16 gradients overflowed at loss scale {scale:g}; the optimizer step was "

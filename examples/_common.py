@@ -62,6 +62,10 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+#: ``--amp``: the autocast dtype of the training step (None: off).
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: str) -> argparse.ArgumentParser:
     """A parser with the flags every training example takes; the example adds its own."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=_Help)
@@ -90,6 +94,10 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
     train.add_argument("--batch-size", type=_flags.integer(1), default=batch_size, help="samples per step, split over the ddp ranks")
     train.add_argument("--lr", type=_flags.real(0, inclusive=False), default=lr, help="peak learning rate (cosine decay over --steps)")
     train.add_argument("--seed", type=_flags.integer(0, _flags.SEED_MAX), default=0, help="seed of the weights and of the sample order")
+    train.add_argument("--amp", choices=list(AMP_DTYPES), default="off",
+                       help="mixed precision of the training step: forward and loss under torch.autocast on the "
+                            "mesh's device in bfloat16 or float16 (float16 with a torch.amp.GradScaler); the weights, "
+                            "gradients and optimizer state stay float32, the test evaluation runs in float32")
     train.add_argument("--prefetch", type=_flags.integer(0), default=2, help="batches the datapipe reads ahead (0: read in the loop)")
     train.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                        help="a NaN/inf global loss: stop (every rank exits naming the step and the ranks whose data "
@@ -332,7 +340,7 @@ def _restore_position(pipe, saved: dict) -> None:
 #: a checkpoint taken with another value is refused, naming the difference.
 MAY_CHANGE_ON_RESUME = frozenset({
     "steps", "lr", "timeout", "prefetch", "on_nonfinite", "max_skips", "checkpoint_every", "quiet", "out",
-    "domain_size", "ddp_size", "strategy", "device",
+    "domain_size", "ddp_size", "strategy", "device", "amp",
 })
 _NOT_COMPARED = frozenset({"resume"})
 
@@ -448,6 +456,30 @@ def _resume(args: argparse.Namespace, context: MeshContext, root: Path, model, o
                      "pass --resume auto to start fresh when there is none")
 
 
+def _autocast(args: argparse.Namespace, context: MeshContext):
+    """``--amp``: ``torch.autocast`` on the mesh's device type in the chosen dtype (disabled for ``off``)."""
+    dtype = AMP_DTYPES[args.amp]
+    return torch.autocast(context.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def _grad_scaler(args: argparse.Namespace, context: MeshContext, model):
+    """``--amp fp16``: a ``torch.amp.GradScaler`` on the mesh's device type (None otherwise).
+
+    Refused, on every rank alike before anything is trained, for a model with
+    complex parameters (e.g. an FNO's spectral weights): torch's unscale kernel
+    (``_amp_foreach_non_finite_check_and_unscale_``) has no complex version.
+    """
+    if args.amp != "fp16":
+        return None
+    complex_ = [name for name, p in model.named_parameters() if p.is_complex()]
+    if complex_:
+        shown = ", ".join(complex_[:3]) + (f" and {len(complex_) - 3} more" if len(complex_) > 3 else "")
+        raise SystemExit(f"--amp fp16: the model has complex parameters ({shown}), whose gradients "
+                         "torch.amp.GradScaler cannot unscale (no complex kernel in torch); use --amp bf16, "
+                         "which needs no GradScaler, or --amp off")
+    return torch.amp.GradScaler(context.device.type)
+
+
 def _nonfinite_report(step: int, loss: float, bad: list[int], batch, context: MeshContext, action: str) -> str:
     """Which step, and which ranks' data gave the non-finite loss (every rank returns the same text).
 
@@ -500,12 +532,26 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
     and every checkpoint stay finite); a stopped or dead rank, once a step
     lasts longer than the watchdog's adaptive bound, and any step that does
     not finish within ``--timeout`` seconds (:class:`StepWatchdog`).
+
+    ``--amp bf16|fp16`` runs ``loss_fn`` under ``torch.autocast`` on the
+    mesh's device type (:func:`_autocast`); the backward, the weights and the
+    optimizer stay float32. With fp16 a ``torch.amp.GradScaler`` scales the
+    loss: a step whose gradients overflow is skipped on every rank alike (the
+    gradients it reads are all-reduced over the domain and ddp ranks first,
+    DTensor all-reduces its inf check under FSDP2), logged, and the scale
+    backs off; the scaler's state is saved with the checkpoints and restored
+    on resume. ``--amp`` may change on resume (:data:`MAY_CHANGE_ON_RESUME`).
     """
     root = out / "checkpoints"
     step, losses, skips = 0, [], 0
+    autocast = _autocast(args, context)
+    scaler = _grad_scaler(args, context, model)
     restored = _resume(args, context, root, model, optimizer, scheduler, log, may_change)
     if restored is not None:
         step, losses = restored.step, list(restored.extra["losses"])
+        if scaler is not None and "grad_scaler" in restored.extra:  # an fp16 run resumed: the scale it reached
+            scaler.load_state_dict(restored.extra["grad_scaler"])
+            log.info(f"--amp fp16: the loss scale {scaler.get_scale():g} of the checkpoint was restored")
         _restore_position(pipe, restored.extra["pipe"])
         saved = restored.extra.get("layout")
         log.info(f"resumed from {restored.path} at step {step} (saved on layout {saved}, "
@@ -530,9 +576,10 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
             watchdog.at(step + 1, "agreeing on the data")
             check_all_ranks(error)
             watchdog.at(step + 1, "forward and backward")
-            loss = loss_fn(model, batch)
+            with autocast:
+                loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             watchdog.at(step + 1, "loss")
             value, bad = _mean_and_nonfinite(loss, context)
             if bad:
@@ -547,7 +594,15 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
                 continue
             skips = 0
             watchdog.at(step + 1, "optimizer step")
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scale = scaler.get_scale()
+                scaler.step(optimizer)  # skipped when a gradient is inf/NaN: every rank finds the same
+                scaler.update()
+                if scaler.get_scale() < scale:
+                    log.info(f"step {step + 1}: --amp fp16 gradients overflowed at loss scale {scale:g}; the "
+                             f"optimizer step was skipped, the scale is now {scaler.get_scale():g}")
             scheduler.step()
             step += 1
             losses.append(value)
@@ -556,6 +611,8 @@ def fit(context: MeshContext, model, optimizer, scheduler, pipe, loss_fn: Callab
                 watchdog.at(step, CHECKPOINTING)
                 extra = {"pipe": pipe.state_dict(), "losses": losses, "layout": [context.ddp_size, context.domain_size],
                          "args": _settings(args)}
+                if scaler is not None:
+                    extra["grad_scaler"] = scaler.state_dict()
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", CheckpointWarning)
                     newest = save_checkpoint(root, step, model, optimizer, scheduler, extra=extra,
@@ -1098,7 +1155,8 @@ def open_run(args: argparse.Namespace, context: MeshContext | None, name: str,
             if taken_over is not None:
                 log.info(taken_over)
             log.info(f"mesh (ddp={context.ddp_size}, domain={context.domain_size}) on {context.device}, "
-                     f"strategy={args.strategy}, {setup}, global batch {args.batch_size}")
+                     f"strategy={args.strategy}, {setup}, global batch {args.batch_size}"
+                     + ("" if args.amp == "off" else f", --amp {args.amp} (autocast on {context.device.type})"))
             yield context, out, log
         finally:
             log.close()

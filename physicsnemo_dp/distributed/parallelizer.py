@@ -63,7 +63,7 @@ from .capabilities import _as_capabilities, check_capabilities
 from .activation_checkpointing import apply_checkpointing
 from .config import DDPConfig, FSDP2Config
 from .mesh_context import MeshContext
-from .precision import cast_frozen_state, fp32_pins, pinned_owners, pinned_policy
+from .precision import cast_frozen_state, complex_policy, fp32_pins, pinned_owners, pinned_policy, unit_parameters
 
 __all__ = ["ModelParallelizer", "parallelize_model", "find_blocks"]
 
@@ -184,17 +184,22 @@ class ModelParallelizer:
 
         Each unit goes through :meth:`_fully_shard_module` on ``mesh_context.ddp_mesh``.
         A pinned module gets :func:`~physicsnemo_dp.distributed.precision.pinned_policy`,
-        everything else the context's mixed-precision policy.
+        a unit of complex trainable parameters :func:`~physicsnemo_dp.distributed.precision.complex_policy`
+        (when the policy sets a ``reduce_dtype``), everything else the context's mixed-precision policy.
         """
         bulk = _bulk_policy(mesh_context)
         pinned = {id(m) for m in pinned_owners(model, _active_pins(model, mesh_context))}
         units = {id(m) for m in find_blocks(model)} | pinned | {id(model)}
         for module in reversed(list(model.modules())):  # reversed pre-order: children before parents
             if id(module) in units:
+                policy = pinned_policy(bulk) if id(module) in pinned else bulk
+                trainable = [p for p in unit_parameters(module, units - {id(module)}) if p.requires_grad]
+                if policy.reduce_dtype is not None and trainable and all(p.is_complex() for p in trainable):
+                    policy = complex_policy(policy)
                 self._fully_shard_module(
                     module,
                     mesh=mesh_context.ddp_mesh,
-                    mp_policy=pinned_policy(bulk) if id(module) in pinned else bulk,
+                    mp_policy=policy,
                     reshard_after_forward=mesh_context.strategy.reshard_after_forward,
                 )
         return model

@@ -16,6 +16,15 @@ entry, and its output is cast back to the bulk compute dtype so the next
 * the module must be *called* (its forward is where FSDP gathers and casts);
   reading ``holder.weight`` from a parent's forward bypasses that.
 
+**Complex parameters** (an FNO's spectral weights). FSDP2 never casts them
+(mixed precision is for floating-point parameters), but it would reduce their
+gradients in the policy's ``reduce_dtype``, and a complex gradient cannot be
+cast to a real dtype (torch's ``TypeError`` in the backward). A unit whose
+trainable parameters are all complex therefore gets the bulk policy with
+``reduce_dtype=None`` (:func:`complex_policy`): its gradients are reduced in
+their own complex dtype. FSDP2 refuses a unit mixing complex and real
+trainable parameters with any policy (keep them in separate blocks).
+
 **Frozen parts.** A fully frozen submodule that stayed fp32 would feed fp32
 tensors into bf16 modules. After sharding, such submodules are cast toward
 the policy's ``param_dtype`` unless pinned: their plain parameters are cast,
@@ -30,7 +39,15 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-__all__ = ["fp32_pins", "is_pinned", "pinned_owners", "pinned_policy", "cast_frozen_state"]
+__all__ = [
+    "fp32_pins",
+    "is_pinned",
+    "pinned_owners",
+    "pinned_policy",
+    "complex_policy",
+    "unit_parameters",
+    "cast_frozen_state",
+]
 
 _PIN_ATTRIBUTE = "_keep_in_fp32_modules_strict"
 
@@ -88,6 +105,27 @@ def pinned_policy(bulk: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
     )
 
 
+def complex_policy(bulk: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """The policy of a unit of complex parameters: the bulk policy, gradients reduced in their own dtype."""
+    return MixedPrecisionPolicy(
+        param_dtype=bulk.param_dtype,
+        reduce_dtype=None,
+        output_dtype=bulk.output_dtype,
+        cast_forward_inputs=bulk.cast_forward_inputs,
+    )
+
+
+def unit_parameters(unit: nn.Module, unit_ids) -> list[nn.Parameter]:
+    """The parameters FSDP2 manages in ``unit``: its own, not those of nested units (``id``s in ``unit_ids``)."""
+    found, stack = {}, [unit]
+    while stack:
+        module = stack.pop()
+        for p in module.parameters(recurse=False):
+            found[id(p)] = p
+        stack.extend(c for c in module.children() if id(c) not in unit_ids)
+    return list(found.values())
+
+
 def _fully_frozen(module: nn.Module) -> bool:
     params = list(module.parameters())
     return bool(params) and not any(p.requires_grad for p in params)
@@ -103,7 +141,12 @@ def cast_frozen_state(model: nn.Module, dtype: torch.dtype, pins) -> list[str]:
                 continue
             for name, p in module.named_parameters(recurse=False):
                 full = _qualified(prefix, name)
-                if p.is_floating_point() and p.dtype != dtype and not isinstance(p, DTensor) and not is_pinned(full, pins):
+                if (
+                    p.is_floating_point()
+                    and p.dtype != dtype
+                    and not isinstance(p, DTensor)
+                    and not is_pinned(full, pins)
+                ):
                     p.data = p.data.to(dtype)
                     cast.append(full)
             for name, b in module.named_buffers(recurse=False):

@@ -47,6 +47,7 @@ import datetime
 import functools
 import json
 import os
+import time
 from contextvars import ContextVar
 from typing import Iterator
 
@@ -163,6 +164,7 @@ def _stalled(work, group, kind: str, call: int, slice_: datetime.timedelta, firs
     while True:
         verdict = _diagnose(store, members, note)
         if verdict is not None:  # the note stays: a peer that reads it later reaches the same verdict
+            _linger(store, note, len(members), slice_)
             raise PlacementError(verdict) from error
         if not _timed_out(error):  # a peer is gone and left no word: the backend's error stands
             raise error
@@ -173,6 +175,23 @@ def _stalled(work, group, kind: str, call: int, slice_: datetime.timedelta, firs
         else:
             store.delete_key(key)  # it was only slow: the note must not describe a later wait
             return
+
+
+def _linger(store, note: dict, members: int, slice_: datetime.timedelta) -> None:
+    """Stay until every member has its verdict (at most two slices), before raising ends this process.
+
+    The job's store may live in this process (``launch`` hosts it in rank 0):
+    leaving at once would take the notes away from a peer that has not read
+    them yet, which would then report the backend's "connection closed".
+    """
+    try:
+        counter = f"{_PREFIX}/verdicts/{note['group']}/{note['call']}"
+        store.add(counter, 1)
+        deadline = time.monotonic() + 2 * slice_.total_seconds()
+        while store.add(counter, 0) < members and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except RuntimeError:  # the store went away: nothing to wait for
+        pass
 
 
 def _diagnose(store, members: list[int], note: dict) -> str | None:

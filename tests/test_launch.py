@@ -253,7 +253,7 @@ def _stop_rank_two(mesh):
 def test_a_stopped_rank_is_named_and_killed():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        launch(_stop_rank_two, 3, timeout=25, echo=False)
+        launch(_stop_rank_two, 3, timeout=12, echo=False)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert info.value.rank == 2, message

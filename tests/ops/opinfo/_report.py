@@ -34,7 +34,16 @@ DOC = ROOT / "docs" / "op_coverage.md"
 SEVERITY = ["hang", "crash", "divergent", "wrong", "error", "pass", "not run"]
 
 
-def sweep(layout: str, names, *, batch: int = 40, timeout: float = 600.0, max_samples: int | None = None) -> dict:
+def sweep(
+    layout: str,
+    names,
+    *,
+    batch: int = 40,
+    timeout: float = 600.0,
+    max_samples: int | None = None,
+    target: str | None = None,
+    sample_deadline: float | None = None,
+) -> dict:
     """``{op: {"status", "detail", "samples", ...}}`` of ``names`` on ``layout``, in jobs of ``batch`` ops.
 
     A job that fails (a hang caught by its ``timeout``, a dead rank, or diverged outcomes) leaves the
@@ -44,6 +53,8 @@ def sweep(layout: str, names, *, batch: int = 40, timeout: float = 600.0, max_sa
     world, mesh_shape, _ = LAYOUTS[layout]
     failures: dict[str, str] = {}
     params = {} if max_samples is None else {"max_samples": max_samples}
+    if target is not None:  # "dtensor": the side-by-side run (see _sweep.run_sample)
+        params.update(target=target, sample_deadline=sample_deadline)
     with tempfile.TemporaryDirectory(prefix="pdp-opinfo-") as progress:
         todo = list(names)
         while todo:
@@ -248,6 +259,15 @@ def load_all() -> dict[str, dict]:
     }
 
 
+def load_dtensor() -> dict[str, dict]:
+    """The DTensor side-by-side results (``results/dtensor-<layout>.json``) saved so far, by layout."""
+    return {
+        layout: json.loads((RESULTS / f"dtensor-{layout}.json").read_text())
+        for layout in LAYOUTS
+        if (RESULTS / f"dtensor-{layout}.json").exists()
+    }
+
+
 def write_expected(layout: str, results: dict, mode: str) -> None:
     """``mode="shrink"``: drop the entries of ops that now pass; ``"rewrite"``: the layout's errors as measured.
 
@@ -290,7 +310,7 @@ def _reason(detail: str) -> str:
     return detail.split(". Either gather first")[0][:160]
 
 
-def render(all_results: dict[str, dict], families: dict[str, str]) -> str:
+def render(all_results: dict[str, dict], families: dict[str, str], dtensor: dict | None = None) -> str:
     """The coverage page: counts per layout, per family, and each op that does not pass with its error."""
     layouts = [lay for lay in LAYOUTS if lay in all_results]
     lines = [
@@ -319,6 +339,21 @@ def render(all_results: dict[str, dict], families: dict[str, str]) -> str:
             f"| {_layout_name(lay)} | {run} | {c['pass']} | {c['error']} | {c['wrong']} | {c['divergent']} "
             f"| {c['hang']} | {c['crash']} | {c['not run']} |"
         )
+    dtensor = load_dtensor() if dtensor is None else dtensor
+    for lay, rs in dtensor.items():
+        c = counts(rs)
+        run = sum(c[s] for s in SEVERITY if s != "not run")
+        lines.append(
+            f"| DTensor: {_layout_name(lay)} | {run} | {c['pass']} | {c['error']} | {c['wrong']} | "
+            f"{c['divergent']} | {c['hang']} | {c['crash']} | {c['not run']} |"
+        )
+    if dtensor:
+        lines += [
+            "",
+            "DTensor rows: the same samples on `torch.distributed.tensor.DTensor` for comparison (`-m opinfo_full",
+            "-k test_opinfo_full_dtensor`): the primary input from `distribute_tensor` (DTensor's even chunks),",
+            "the other tensor arguments replicated DTensors, 20 s a sample before *hang*; reported, never judged.",
+        ]
     lines += [
         "",
         "## Per family",

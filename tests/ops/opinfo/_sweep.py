@@ -35,11 +35,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import zlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
@@ -189,6 +191,8 @@ class _Wrong(Exception):
 
 
 def _full(x):
+    if isinstance(x, DTensor) and not isinstance(x, ShardTensor):
+        return x.full_tensor()
     if isinstance(x, ShardTensor):
         full = x.full_tensor()
         if tuple(full.shape) != tuple(x.shape):
@@ -242,6 +246,9 @@ def _cotangent(r: torch.Tensor, seed: int) -> torch.Tensor:
 
 def _in_layout(w: torch.Tensor, o):
     """The cotangent ``w`` in the layout of output ``o`` (a pending sum's gradient is replicated)."""
+    if isinstance(o, DTensor) and not isinstance(o, ShardTensor):
+        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in o.placements)
+        return distribute_tensor(w, o.device_mesh, placements)
     if not isinstance(o, ShardTensor):
         return w
     spec = o._spec
@@ -251,8 +258,28 @@ def _in_layout(w: torch.Tensor, o):
     return _from_global(w, gspec)
 
 
-def run_sample(op, sample, mesh, where: str, seed: int) -> dict:
-    """One sample: ``{"status": pass|error|wrong|skip, "detail": ..., "err": max error}``."""
+def shard_dtensor(t: torch.Tensor, mesh, where: str) -> DTensor:
+    """``t`` as a DTensor of DTensor's own layout (``distribute_tensor``: even chunks); a leaf like ``t``."""
+    placements = placements_for(mesh, where, t.ndim)
+    return distribute_tensor(t.detach(), mesh, placements).requires_grad_(t.requires_grad)
+
+
+def _replicated(x, mesh):
+    """Another tensor argument of a DTensor run: a replicated DTensor (a leaf like ``x``), since DTensor
+    refuses plain tensors mixed with DTensors where the library promotes them (the same semantics)."""
+    if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+        d = DTensor.from_local(x.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return d.requires_grad_(x.requires_grad)
+    return x
+
+
+def run_sample(op, sample, mesh, where: str, seed: int, target: str = "shardtensor") -> dict:
+    """One sample: ``{"status": pass|error|wrong|skip, "detail": ..., "err": max error}``.
+
+    ``target="dtensor"`` (the full sweep's side-by-side only): the primary input is distributed with
+    ``distribute_tensor`` (DTensor's even chunks) and every other tensor argument is a replicated DTensor
+    (``DTensor.from_local(..., [Replicate()])``); outputs and gradients are compared via ``full_tensor()``.
+    """
     shape_only = op.name in SHAPE_ONLY
     fn = op.op
     ref = pytree.tree_map(_clone, (sample.input, sample.args, sample.kwargs))
@@ -270,13 +297,16 @@ def run_sample(op, sample, mesh, where: str, seed: int) -> dict:
     if not shape_only and _random(fn, again, ref_out, seed):
         return {"status": "skip", "detail": "random: values depend on the generator (tests/random)"}
     # the sharded run's arguments: the primary tensor(s) sharded
+    cut = shard_dtensor if target == "dtensor" else shard
     if isinstance(args[0], torch.Tensor):
-        sharded_primary = shard(args[0], mesh, where) if args[0].ndim >= 1 else args[0]
+        sharded_primary = cut(args[0], mesh, where) if args[0].ndim >= 1 else args[0]
     else:
         sharded_primary = type(args[0])(
-            shard(t, mesh, where) if isinstance(t, torch.Tensor) and t.ndim >= 1 else t for t in args[0]
+            cut(t, mesh, where) if isinstance(t, torch.Tensor) and t.ndim >= 1 else t for t in args[0]
         )
     args = (sharded_primary, args[1], args[2])
+    if target == "dtensor":
+        args = pytree.tree_map(lambda x: x if isinstance(x, DTensor) else _replicated(x, mesh), args)
     stage = "forward"
     try:
         torch.manual_seed(seed)
@@ -378,9 +408,14 @@ def _seed(key: str, index: int) -> int:
     return (zlib.crc32(key.encode()) + 1009 * index) % (2**31)
 
 
-def run_ops(ctx, names, layout, progress_dir, max_samples=MAX_SAMPLES):
+def run_ops(ctx, names, layout, progress_dir, max_samples=MAX_SAMPLES, target="shardtensor", sample_deadline=None):
     """Run the ops ``names`` (op keys) on the layout; append one JSON line per sample to this rank's progress
-    file and return the outcomes. Raises on every rank when the ranks' outcomes diverge (see module doc)."""
+    file and return the outcomes. Raises on every rank when the ranks' outcomes diverge (see module doc).
+
+    ``sample_deadline`` (seconds): a rank whose sample (with the outcome exchange) takes longer leaves the
+    process (``os._exit``), so a hang costs that long, not the job's deadline; the test process records the
+    op as ``hang`` and resumes after it on a fresh pool.
+    """
     where = LAYOUTS[layout][2]
     table = op_table()
     group = _status_group()
@@ -401,8 +436,13 @@ def run_ops(ctx, names, layout, progress_dir, max_samples=MAX_SAMPLES):
                 log.write(json.dumps(outcome) + "\n")
             for i, sample in enumerate(samples):
                 start = time.perf_counter()
+                watchdog = None
+                if sample_deadline:
+                    watchdog = threading.Timer(sample_deadline, _give_up, (log, name, i, sample_deadline))
+                    watchdog.daemon = True
+                    watchdog.start()
                 try:
-                    found = run_sample(op, sample, ctx.mesh, where, _seed(name, i))
+                    found = run_sample(op, sample, ctx.mesh, where, _seed(name, i), target)
                 except Exception as e:  # the harness's own steps (cloning, the reference): out of scope
                     found = {"status": "skip", "detail": f"harness: {_message(e)}"}
                 outcome = {"op": name, "sample": i, **found}
@@ -414,6 +454,8 @@ def run_ops(ctx, names, layout, progress_dir, max_samples=MAX_SAMPLES):
                 results.append(outcome)
                 kinds = [None] * dist.get_world_size(group)
                 dist.all_gather_object(kinds, (outcome["status"], outcome["detail"]), group=group)
+                if watchdog is not None:
+                    watchdog.cancel()
                 if len(set(kinds)) > 1:
                     log.write(json.dumps({"op": name, "sample": i, "diverged": kinds}) + "\n")
                     log.flush()
@@ -421,6 +463,13 @@ def run_ops(ctx, names, layout, progress_dir, max_samples=MAX_SAMPLES):
             log.write(json.dumps({"op": name, "done": True}) + "\n")
             log.flush()
     return results
+
+
+def _give_up(log, name, index, seconds):
+    """The per-sample deadline passed (a hang): note it and leave the process (the pool is restarted)."""
+    log.write(json.dumps({"op": name, "sample": index, "deadline": seconds}) + "\n")
+    log.flush()
+    os._exit(17)
 
 
 def _first(samples, n):

@@ -79,9 +79,13 @@ def sweep(
                         raise  # nothing ran: the job itself is broken (an import, the pool)
                     op = _unfinished(records, started) or started[-1]
                     diverged = [r for rs in records.values() for r in rs if r.get("op") == op and "diverged" in r]
+                    late = [k for k, rs in records.items() if any(r.get("op") == op and "deadline" in r for r in rs)]
                     failures[op] = (
                         ("divergent: outcomes per rank " + str(diverged[0]["diverged"]))[:400]
                         if diverged
+                        else f"hang: rank {late[0]} past the {sample_deadline:g} s sample deadline; "
+                        + report.strip().splitlines()[0][:200]
+                        if late  # it left: its peers may have raised "Connection closed by peer"
                         else ("hang: " if _unfinished_ranks(report) else "crash: ")
                         + report.strip().splitlines()[0][:300]
                     )
@@ -350,9 +354,10 @@ def render(all_results: dict[str, dict], families: dict[str, str], dtensor: dict
     if dtensor:
         lines += [
             "",
-            "DTensor rows: the same samples on `torch.distributed.tensor.DTensor` for comparison (`-m opinfo_full",
-            "-k test_opinfo_full_dtensor`): the primary input from `distribute_tensor` (DTensor's even chunks),",
-            "the other tensor arguments replicated DTensors, 20 s a sample before *hang*; reported, never judged.",
+            "DTensor rows: the same samples on `torch.distributed.tensor.DTensor` for comparison",
+            "(`PDP_OPINFO_TARGET=dtensor`, `test_opinfo_full_dtensor`): the primary input from `distribute_tensor`",
+            "(DTensor's even chunks), the other tensor arguments replicated DTensors, 20 s a sample before *hang*;",
+            "reported, never judged.",
         ]
     lines += [
         "",

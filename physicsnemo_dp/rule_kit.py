@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from . import _gathers
 from ._redistribute import redistribute_local
 from ._torch_compat import pytree
 
@@ -218,6 +219,14 @@ def plain_gradient(g: torch.Tensor, spec):
         return wrap(g, target)
     if is_zero_tensor(g):
         return wrap(torch.zeros(target.local_shape, dtype=g.dtype, device=g.device), target)
+    if tuple(target.local_shape) != tuple(g.shape):  # torch already built it whole on every rank: say so
+        _gathers.note(
+            "plain gradient of the global shape",
+            f"built by a backward formula ({tuple(g.shape)} {g.dtype})",
+            g.numel() * g.element_size(),
+            spec.mesh,
+            fix="compose the op from ops with sharded rules, or use physicsnemo_dp.fallback('gather') knowingly",
+        )
     local = g
     for d, (offset, n) in enumerate(zip(target.local_offsets(), target.local_shape)):
         if n != g.shape[d]:

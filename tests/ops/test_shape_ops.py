@@ -5,10 +5,11 @@ squeeze_/unsqueeze_, and the crash fixes found by the OpInfo sweep (tensor_split
 a backward that builds its gradient with a factory of the global shape).
 """
 
+import pytest
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
-from physicsnemo_dp import count_collectives
+from physicsnemo_dp import ImplicitGatherError, count_collectives, implicit_gathers
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
@@ -95,4 +96,7 @@ def test_shape_ops(ctx):
     (g,) = torch.autograd.grad(y.sum() + (x * 0).sum(), x)
     assert g._local_tensor.shape == x._local_tensor.shape
     x.grad = torch.ones(SHAPE, dtype=torch.float64)
+    if tuple(x._local_tensor.shape) != SHAPE:  # a whole gradient held by every rank is reported, on every rank
+        with implicit_gathers("raise"), pytest.raises(ImplicitGatherError, match="plain gradient of the global shape"):
+            x.grad
     assert x.grad._local_tensor.shape == x._local_tensor.shape

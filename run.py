@@ -25,6 +25,7 @@ import venv
 from pathlib import Path
 
 TORCH = "torch==2.13.0"
+EXTRAS = "test,plot,graph,spectral"
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".physicsnemo-dp-installed"
@@ -42,9 +43,9 @@ def venv_python() -> Path:
 
 
 def wanted_stamp() -> str:
-    """What the installed environment must match: the torch pin and pyproject.toml."""
+    """What the installed environment must match: the torch pin, the extras and pyproject.toml."""
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    return f"{TORCH} pyproject.toml sha256={digest}\n"
+    return f"{TORCH} extras={EXTRAS} pyproject.toml sha256={digest}\n"
 
 
 def pip_install(step: str, *args: str) -> None:
@@ -69,8 +70,17 @@ def setup() -> None:
         say("environment up to date (pyproject.toml unchanged)")
         return
     pip_install(f"step 1/2: installing {TORCH} (CPU wheels by default; this can take minutes)", TORCH)
+    # The `graph` and `spectral` extras (torch_geometric, neuraloperator) are installed too, so the tests of
+    # third-party model code run by default. Their requirements may ask for another torch: the constraint file
+    # keeps the pinned one (pip refuses rather than replacing it).
+    constraint = VENV / "torch-constraint.txt"
+    constraint.write_text(TORCH + "\n")
     pip_install(
-        'step 2/2: installing the project and its test extras: pip install -e ".[test,plot]"', "-e", ".[test,plot]"
+        f'step 2/2: installing the project and its extras: pip install -e ".[{EXTRAS}]" -c {constraint.name}',
+        "-e",
+        f".[{EXTRAS}]",
+        "-c",
+        str(constraint),
     )
     STAMP.write_text(stamp)
     say("environment ready")

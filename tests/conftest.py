@@ -10,24 +10,22 @@ def pytest_sessionfinish(session, exitstatus):
     close_all()
 
 
-_EXTRAS = {
-    "spectral_extra": "spectral extra: pip install -e '.[spectral]', then pytest -m spectral_extra",
-    "graph_extra": "graph extra: pip install -e '.[graph]', then pytest -m graph_extra",
+_OPT_IN = {
     "slow": "slow end-to-end duplicate of a default-run path: pytest -m slow",
     "opinfo_full": "the whole OpInfo sweep (~20 min): pytest tests/ops/opinfo -m opinfo_full -s",
 }
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests of an optional extra (marked ``spectral_extra`` or ``graph_extra``: they import a large third-party
-    library on every rank), ``slow`` end-to-end runs (a path the default run already covers, started once
-    more as a whole ``torchrun`` job) and the whole OpInfo sweep (``opinfo_full``) run only when ``-m`` names
-    their marker.
+    """``slow`` end-to-end runs (a path the default run already covers, started once more as a whole
+    ``torchrun`` job) and the whole OpInfo sweep (``opinfo_full``) run only when ``-m`` names their marker.
 
-    Without the extra installed they skip (``pytest.importorskip``).
+    Tests of an optional extra (``spectral_extra``: neuraloperator, ``graph_extra``: torch_geometric) run by
+    default, since ``run.py setup`` installs both; where the extra is missing they skip
+    (``pytest.importorskip``), and ``-m "not graph_extra"`` leaves them out.
     """
     selected = config.getoption("-m") or ""
-    for marker, reason in _EXTRAS.items():
+    for marker, reason in _OPT_IN.items():
         if marker in selected:
             continue
         skip = pytest.mark.skip(reason=reason)

@@ -18,7 +18,7 @@ from physicsnemo_dp._gathers import listening
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
-from ..ops._diff import check
+from ..ops._diff import OP_WORLD_SIZES, check
 from ._swin import swin_pair
 
 WS, C, HEADS = 4, 8, 2
@@ -36,9 +36,10 @@ class _Records:
         self.found.append(record)
 
 
-@distributed(world_sizes=(1, 2, 3, 4), timeout=120)
+@distributed(world_sizes=OP_WORLD_SIZES, timeout=120)
 def test_swin_blocks_match_one_process_on_shards_that_cut_windows(ctx):
-    """A regular and a shifted block; uneven H shards (empty ones too) cut windows on every world size > 1."""
+    """A regular and a shifted block; uneven H shards (empty ones too) cut windows. 2 and 4 ranks: the
+    traffic test below, which checks the values and every gradient too."""
     h, w = 20, 8
     if ctx.mesh.ndim == 1:
         cases = [(1, (Shard(1),))]
@@ -64,7 +65,7 @@ def test_swin_blocks_move_only_the_rows_of_cut_windows(ctx):
     """H = 108 = 27 windows: chunk shards of 54 (P=2) and 27 (P=4) rows both cut windows. Bytes each rank
     receives (forward + backward, both blocks) stay under one P-independent bound of rows, which is below
     a quarter of the feature map; no all-gather, no implicit gather; all-reduces only for parameter
-    gradients."""
+    gradients. Values and every gradient equal one process."""
     b, h, w = 1, 108, 8
     model = swin_pair(C, (h, w), HEADS, WS)
     full = _full((b, h, w, C))
@@ -90,4 +91,10 @@ def test_swin_blocks_move_only_the_rows_of_cut_windows(ctx):
     # sizes of the model, not of the feature map, counted as a ring moves them (2 (P - 1) / P).
     reduced = (sum(p.numel() for p in model.parameters()) + 2 * HEADS * (WS * WS) ** 2) * 8
     assert counter.bytes_received["all_reduce"] <= 2 * reduced, counter.summary()
-    torch.testing.assert_close(y.full_tensor(), swin_pair(C, (h, w), HEADS, WS)(full))
+    ref_model, ref_x = swin_pair(C, (h, w), HEADS, WS), full.clone().requires_grad_()
+    ref = ref_model(ref_x)
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(y.full_tensor(), ref)
+    torch.testing.assert_close(x.grad.full_tensor(), ref_x.grad)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -21,6 +21,13 @@ is a slab of the outermost *output* dim exactly when its ends are multiples of
   shard to the group head (or another group head) that can carry the most
   whole units, with the split rule over those units (one all-to-all; the
   shard stays O(local)); only when no dim can carry it does it gather.
+  "Most" counts the shards kept non-empty first, so a dim whose own head has
+  a unit for every shard keeps its shard, rebalanced by moving each shard
+  boundary to the nearest whole unit (:func:`rounded_table`): splitting
+  ``H`` into windows ``(H // ws, ws)`` on shards that cut windows moves only
+  the rows of the cut windows, less than half a window per boundary, and the
+  windows never land on a channel dim that a following contraction sums.
+  A shard moved to another dim is laid out by the split rule over its units.
 
 Size-1 dims are paired with size-1 dims when both sides are at one, dropped
 (input only) or inserted (output only) otherwise.
@@ -36,7 +43,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from . import _layout
 from .split import chunk_sizes
 
-__all__ = ["view_groups", "output_layout", "compatible_layout", "nested_chunks"]
+__all__ = ["view_groups", "output_layout", "compatible_layout", "nested_chunks", "rounded_table"]
 
 
 def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple:
@@ -135,14 +142,33 @@ def nested_chunks(total: int, parts: Sequence[int]) -> tuple[int, ...]:
     return tuple(pieces)
 
 
+def rounded_table(table: Sequence[int], unit: int) -> tuple[int, ...]:
+    """Shard sizes with every shard boundary moved to the nearest multiple of ``unit`` (halves round up).
+
+    The rows that change owner are those of the units a boundary cuts, fewer
+    than ``unit / 2`` per boundary, whatever the number of shards: what a
+    split of a sharded dim into whole units (``H -> (H // ws, ws)``) has to
+    move, and no more. The table keeps its (flat, nested) order, so it fits
+    the same mesh dims; a shard smaller than half a unit may become empty.
+    """
+    bounds, start = [], 0
+    for size in table:
+        start += size
+        bounds.append((2 * start + unit) // (2 * unit) * unit)
+    return tuple(b - a for a, b in zip([0] + bounds[:-1], bounds))
+
+
 def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
     """An input layout that :func:`output_layout` can carry through the reshape.
 
     Returns ``(placements, dim_sizes)``, equal to the input's when nothing
     has to move. For each blocked dim, the mesh dims sharding it move together
     to the group head that fits the most whole units (its own head, itself
-    rebalanced, or the head of another group), split by the split rule over
-    those units; with no head free they become Replicate.
+    rebalanced: each boundary rounded to the nearest whole unit, or the head
+    of another group, split by the split rule over its units); with no head
+    free they become Replicate. The head chosen
+    keeps the most shards non-empty (``min(units, shards)``); ties go to the
+    dim's own head, then to the head with the most units.
     """
     placements, tables = list(placements), list(dim_sizes)
     if prod(in_shape) == 0:
@@ -152,7 +178,10 @@ def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
         mesh_dims = _layout.sharding_mesh_dims(placements, d)
         busy = {p.dim for p in placements if p.is_shard()} - {d}
         units = {e: in_shape[e] // _unit(in_shape, out_shape, g) for e, g in heads.items() if e not in busy}
-        best = max(units, key=lambda e: (units[e], e == d, -e), default=None)
+        shards = prod(mesh_shape[m] for m in mesh_dims)
+        # The head that keeps the most shards busy; on a tie the dim's own head (a split such as Swin's
+        # H -> (H // ws, ws) then only moves the rows of the units its shard boundaries cut), then the most units.
+        best = max(units, key=lambda e: (min(units[e], shards), e == d, units[e], -e), default=None)
         tables[d] = None
         if best is None or units[best] == 0:
             for m in mesh_dims:
@@ -161,6 +190,9 @@ def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
         unit = _unit(in_shape, out_shape, heads[best])
         for m in mesh_dims:
             placements[m] = Shard(best)
+        if best == d:
+            tables[d] = rounded_table(dim_sizes[d], unit)
+            continue
         chunks = nested_chunks(units[best], [mesh_shape[m] for m in mesh_dims])
         tables[best] = tuple(c * unit for c in chunks)
     return tuple(placements), tuple(tables)

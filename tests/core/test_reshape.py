@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from physicsnemo_dp import _layout
-from physicsnemo_dp._reshape import compatible_layout, nested_chunks, output_layout, view_groups
+from physicsnemo_dp._reshape import compatible_layout, nested_chunks, output_layout, rounded_table, view_groups
 
 
 def _random_table(extent, shards, rng):
@@ -104,8 +104,31 @@ def test_merge_keeps_outermost_shard_and_scales_sizes():
 def test_split_keeps_when_divisible_else_rebalances_in_units():
     assert output_layout((12,), (4, 3), (Shard(0),), ((6, 0, 6),)) == ((Shard(0),), ((2, 0, 2), None))
     assert output_layout((12,), (4, 3), (Shard(0),), ((5, 1, 6),)) is None
-    # the only head is dim 0 itself: rebalance to whole rows of 3 with the split rule
-    assert compatible_layout((12,), (4, 3), (Shard(0),), ((5, 1, 6),), (3,)) == ((Shard(0),), ((6, 6, 0),))
+    # the only head is dim 0 itself: each shard boundary moves to the nearest whole row of 3
+    assert compatible_layout((12,), (4, 3), (Shard(0),), ((5, 1, 6),), (3,)) == ((Shard(0),), ((6, 0, 6),))
+
+
+def test_windows_cut_by_shards_stay_on_their_dim_and_move_only_cut_rows():
+    """Swin's window_partition view (B, H, W, C) -> (B, H // ws, ws, W // ws, ws, C) on H shards that cut
+    windows: H stays sharded (not the 8 channels, which have more units) and each boundary moves to the
+    nearest window edge, fewer than ws / 2 rows per boundary, whatever the number of shards."""
+    in_shape, out_shape = (1, 44, 12, 8), (1, 11, 4, 3, 4, 8)
+    for tables, want in [
+        ((22, 22), (24, 20)),
+        ((15, 15, 14), (16, 16, 12)),
+        ((11, 11, 11, 11), (12, 12, 8, 12)),
+        ((0, 13, 0, 31), (0, 12, 0, 32)),
+    ]:
+        placements = (Shard(1),)
+        got = compatible_layout(in_shape, out_shape, placements, (None, tables, None, None), (len(tables),))
+        assert got == (placements, (None, want, None, None))
+        windows = tuple(w // 4 for w in want)
+        assert output_layout(in_shape, out_shape, *got) == ((Shard(1),), (None, windows, None, None, None, None))
+    # nested over a 2x2 mesh: the flat table is rounded the same way
+    got = compatible_layout(in_shape, out_shape, (Shard(1), Shard(1)), (None, (11, 11, 11, 11), None, None), (2, 2))
+    assert got == ((Shard(1), Shard(1)), (None, (12, 12, 8, 12), None, None))
+    # fewer windows than shards: still on H when no other head keeps more shards busy than H does
+    assert rounded_table((3, 3, 3, 3), 4) == (4, 4, 0, 4)
 
 
 def test_inner_shard_moves_to_largest_head_or_replicates():

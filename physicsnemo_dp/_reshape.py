@@ -21,8 +21,7 @@ is a slab of the outermost *output* dim exactly when its ends are multiples of
   shard to the group head (or another group head) that can carry the most
   whole units, with the split rule over those units (one all-to-all; the
   shard stays O(local)); only when no dim can carry it does it gather.
-  "Most" counts the shards kept non-empty first, so a dim whose own head has
-  a unit for every shard keeps its shard, rebalanced by moving each shard
+  A dim whose own head holds a whole unit keeps its shard, rebalanced by moving each shard
   boundary to the nearest whole unit (:func:`rounded_table`): splitting
   ``H`` into windows ``(H // ws, ws)`` on shards that cut windows moves only
   the rows of the cut windows, less than half a window per boundary, and the
@@ -166,9 +165,9 @@ def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
     to the group head that fits the most whole units (its own head, itself
     rebalanced: each boundary rounded to the nearest whole unit, or the head
     of another group, split by the split rule over its units); with no head
-    free they become Replicate. The head chosen
-    keeps the most shards non-empty (``min(units, shards)``); ties go to the
-    dim's own head, then to the head with the most units.
+    free they become Replicate. The dim's own head is chosen whenever it holds
+    a whole unit; otherwise the head that keeps the most shards non-empty
+    (``min(units, shards)``), then the one with the most units.
     """
     placements, tables = list(placements), list(dim_sizes)
     if prod(in_shape) == 0:
@@ -179,9 +178,11 @@ def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
         busy = {p.dim for p in placements if p.is_shard()} - {d}
         units = {e: in_shape[e] // _unit(in_shape, out_shape, g) for e, g in heads.items() if e not in busy}
         shards = prod(mesh_shape[m] for m in mesh_dims)
-        # The head that keeps the most shards busy; on a tie the dim's own head (a split such as Swin's
-        # H -> (H // ws, ws) then only moves the rows of the units its shard boundaries cut), then the most units.
-        best = max(units, key=lambda e: (min(units[e], shards), e == d, units[e], -e), default=None)
+        # The dim's own head whenever it has a whole unit: a split such as Swin's H -> (H // ws, ws) then only
+        # moves the rows of the units its shard boundaries cut (some shards may end empty when there are fewer
+        # units than shards), and never lands on a channel dim that a following contraction would sum into
+        # pending values. Otherwise the head that keeps the most shards busy, then the most units.
+        best = max(units, key=lambda e: (e == d and units[e] > 0, min(units[e], shards), units[e], -e), default=None)
         tables[d] = None
         if best is None or units[best] == 0:
             for m in mesh_dims:

@@ -42,8 +42,8 @@ def test_every_suite_reports_at_every_world_size_and_has_a_plot(report):
     seen = {(r["suite"], r["world_size"]) for r in data["results"]}
     suites = {suite for suite, _ in seen}
     assert suites == {"comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io", "scaling_curves",
-                      "graph", "graph_search", "mesh_prepare"}
-    from_two = {"comm_volume", "graph_search"}  # nothing moves on one rank: these start at 2
+                      "graph", "graph_search", "third_party", "mesh_prepare"}
+    from_two = {"comm_volume", "graph_search", "third_party"}  # nothing moves on one rank: these start at 2
     for suite in suites - from_two:
         assert {ws for s, ws in seen if s == suite} == set(WORLD_SIZES), suite
     for suite in from_two:

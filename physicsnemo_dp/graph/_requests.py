@@ -15,9 +15,12 @@ gradients to their owners in one all-to-all and adds them there
 with any sharded integer index ShardTensor use it through :class:`RequestRead`:
 ``x[idx]``, ``index_select(x, 0, idx)`` and ``embedding(idx, weight)`` row by
 row, ``gather(x, 0, idx)`` / ``take_along_dim(x, idx, 0)`` element by element
-(``x`` read as a row-sharded vector). The plan is cached on the index tensor
-(checked against its version counter, so editing the index in place makes a
-new plan).
+(``x`` read as a row-sharded vector; an index broadcast along its rows, as
+torch_scatter's ``index.view(-1, 1).expand_as(src)``, is planned by rows
+instead). The plan is cached on the index tensor (checked against its version
+counter, so editing the index in place makes a new plan); a broadcast index's
+plan on its storage, which the view made anew every step shares. The writes
+of :mod:`._scatter` use the same plans in the other direction.
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ def _mesh_dim(x, index) -> int | None:
     xs, ix = x._spec, index._spec
     if xs.mesh != ix.mesh or ix.tensor_meta.dtype not in _INTS or traced(index._local_tensor):
         return None
+    if index._local_tensor.is_meta:  # simulate(): no ids to plan with; the generic rule's metadata path
+        return None
     sharded = [m for m, p in enumerate(ix.placements) if p.is_shard()]
     if len(sharded) != 1 or any(p.is_partial() for p in ix.placements):
         return None

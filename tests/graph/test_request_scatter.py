@@ -145,6 +145,41 @@ def test_request_writes(ctx):
 
 
 @distributed
+def test_request_write_index_sharded_along_columns(ctx):
+    """An int32 index sharded along its dim 1 (uneven, empty shards), written element by element."""
+    mesh = ctx.mesh
+    md = node_mesh_dim(mesh)
+    group = mesh.size(md)
+    gen = torch.Generator().manual_seed(11)
+    idx_full = torch.randint(0, N, (L, 2), generator=gen, dtype=torch.int32)
+    s_full, x_full = _values((L, 2), gen), _values((N, FEAT), gen)
+    w_full = torch.randn(N, FEAT, dtype=torch.float64, generator=gen)
+    cols = {1: (2,), 2: (1, 1), 3: (1, 0, 1), 4: (0, 1, 0, 1)}[group]
+    start = sum(cols[: mesh.get_coordinate()[md]])
+    width = cols[mesh.get_coordinate()[md]]
+    placements = [Shard(1) if m == md else Replicate() for m in range(mesh.ndim)]
+
+    def by_columns(full):
+        local = full[:, start : start + width].clone()
+        return ShardTensor.from_local(local, mesh, placements, sharding_shapes={md: [(L, c) for c in cols]})
+
+    for reduce in ("sum", "amax"):
+        x = _shard(mesh, x_full, md, X_SIZES[group]).requires_grad_()
+        s = by_columns(s_full).requires_grad_()
+        with physicsnemo_dp.implicit_gathers("raise"):
+            y = x.scatter_reduce(0, by_columns(idx_full), s, reduce, include_self=True)
+        ref_x, ref_s = x_full.clone().requires_grad_(), s_full.clone().requires_grad_()
+        ref = ref_x.scatter_reduce(0, idx_full.long(), ref_s, reduce, include_self=True)
+        torch.testing.assert_close(y.full_tensor(), ref)
+        w = ShardTensor.from_spec(_shard(mesh, w_full, md, X_SIZES[group])._local_tensor, y._spec)
+        with physicsnemo_dp.implicit_gathers("raise"):
+            (y * w).sum().backward()
+        (ref * w_full).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), ref_x.grad)
+        torch.testing.assert_close(s.grad.full_tensor(), ref_s.grad)
+
+
+@distributed
 def test_plain_zero_target(ctx):
     """torch_scatter / torch_geometric: a plain (or new_zeros / full) target of N rows becomes node-sharded."""
     mesh = ctx.mesh

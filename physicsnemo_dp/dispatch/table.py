@@ -18,7 +18,10 @@ Each family module defines
   ``__torch_function__`` for composite functions whose ATen decomposition would
   lose the sharding (e.g. ``F.linear`` on a 3-D input) or whose default backward
   would materialise full-size gradients (``sum``/``mean``). A handler is called
-  as ``handler(func, types, args, kwargs)`` after promotion.
+  as ``handler(func, types, args, kwargs)`` after promotion; one with a
+  ``before_promotion`` attribute (same signature) is offered the call first,
+  unpromoted, and serves it unless that returns ``NotImplemented`` (a write
+  into a plain destination that need not be gathered: ``graph/_scatter.py``).
 
 User registrations (``ShardTensor.register_*``) always win over these.
 """

@@ -9,6 +9,9 @@ parameters). Autograd's own entry points are redirected to
 
 Order for every call that involves a ShardTensor:
 
+0. a library handler's ``before_promotion`` hook, with the arguments as given
+   (it declines with ``NotImplemented``): writes into a plain destination that
+   the request path serves without gathering;
 1. a function handler registered by the user for ``func`` (or its custom-op
    name), then the library's own (the op-family catalog, :mod:`.table`);
    under ``torch.autocast`` it gets the operands autocast would give the op
@@ -88,6 +91,12 @@ def handle_torch_function(func, types, args=(), kwargs=None):
     if type(route) is _Entry:
         return route.fn(*args, **kwargs)
     handler = route if _PATCHES["enabled"] else None
+    if handler is not None:
+        early = getattr(handler, "before_promotion", None)
+        if early is not None:  # a handler that serves some calls before promotion (a plain destination)
+            out = early(func, types, args, kwargs)
+            if out is not NotImplemented:
+                return out
     args, kwargs = promote_args(func, args, kwargs)
     if handler is not None:
         if _any_autocast_enabled():  # the dispatcher's autocast key never sees a handled call: apply its policy here

@@ -19,6 +19,11 @@ the generic indexing rule or function, unchanged.
   or not) with a ``dst`` index: local (:mod:`._aggregate`). ATen's backward
   formulas of these ops are reads and writes with the same index, so their
   gradients are local too.
+* The same writes and ``index_put(accumulate=True)`` with any other integer
+  index ShardTensor sharded over the mesh dim of the target's rows: by
+  request (:mod:`._scatter`, one all-to-all of the contributions to their
+  owners); into a plain destination (``torch.zeros(N, F).scatter_add_(...)``)
+  through a ``before_promotion`` hook, so nothing is gathered.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ._aggregate import aggregate, eligible
 from ._graph import GraphIndex, graph_of
 from ._requests import RequestRead, gatherable, request_read, requestable
 from ._rows import GraphRows, graph_rows
+from ._scatter import plain_write, request_scatter, scatterable
 
 __all__ = ["RULES", "FUNCTIONS"]
 
@@ -150,7 +156,19 @@ def _functions():
             return RequestRead.apply(a["weight"], a["input"], False, "embedding", a.get("padding_idx"))
         return _default(func, args, kwargs)
 
-    table = {}
+    def plain_target(kind):
+        def handler(func, types, args, kwargs):
+            return _default(func, args, kwargs)
+
+        handler.before_promotion = lambda func, types, args, kwargs: plain_write(kind, func, args, kwargs)
+        return handler
+
+    table = {
+        torch.Tensor.index_add_: plain_target("index_add"),
+        torch.Tensor.scatter_add_: plain_target("scatter_add"),
+        torch.Tensor.scatter_reduce_: plain_target("scatter_reduce"),
+        torch.Tensor.index_put_: plain_target("index_put"),
+    }
     for funcs, handler in (
         ((torch.nn.functional.embedding,), embedding),
         ((torch.Tensor.__getitem__,), getitem),
@@ -225,6 +243,11 @@ def _write_rule(op):
         src = a.get("source", a.get("src", a.get("value")))
         gi = eligible(a["self"], a["dim"], a["index"], src)
         if gi is None or (kind == "index_add" and a["index"].ndim != 1):
+            if scatterable(kind, a["self"], a["dim"], a["index"], src) is not None:
+                options = {"alpha": a["alpha"]} if kind == "index_add" else {}
+                if kind == "scatter_reduce":
+                    options = {"reduce": a["reduce"], "include_self": a["include_self"]}
+                return request_scatter(kind, a["self"], a["index"], src, in_place=in_place, **options)
             return generic(func, args, kwargs)
         options = {}
         if kind == "index_add":
@@ -236,7 +259,24 @@ def _write_rule(op):
     return rule
 
 
+def _index_put_rule(op, in_place: bool):
+    generic = indexing.RULES[op]
+
+    def rule(func, args, kwargs):
+        a = bind_args(func, args, kwargs)
+        indices = list(a["indices"])
+        if a["accumulate"] and len(indices) == 1 and indices[0] is not None and indices[0].dtype != torch.bool:
+            if scatterable("index_put", a["self"], 0, indices[0], a["values"]) is not None:
+                return request_scatter("index_put", a["self"], indices[0], a["values"], in_place=in_place,
+                                       allow_negative=True)
+        return generic(func, args, kwargs)
+
+    return rule
+
+
 RULES: dict = {op: _read_rule(op) for op in (aten.index.Tensor, aten.index_select.default, aten.gather.default,
                                               aten.embedding.default)}
 RULES.update({op: _write_rule(op) for op in _WRITES})
+RULES[aten.index_put_.default] = _index_put_rule(aten.index_put_.default, True)
+RULES[aten.index_put.default] = _index_put_rule(aten.index_put.default, False)
 FUNCTIONS: dict = _functions()

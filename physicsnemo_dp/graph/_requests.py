@@ -15,9 +15,12 @@ gradients to their owners in one all-to-all and adds them there
 with any sharded integer index ShardTensor use it through :class:`RequestRead`:
 ``x[idx]``, ``index_select(x, 0, idx)`` and ``embedding(idx, weight)`` row by
 row, ``gather(x, 0, idx)`` / ``take_along_dim(x, idx, 0)`` element by element
-(``x`` read as a row-sharded vector). The plan is cached on the index tensor
-(checked against its version counter, so editing the index in place makes a
-new plan).
+(``x`` read as a row-sharded vector; an index broadcast along its rows, as
+torch_scatter's ``index.view(-1, 1).expand_as(src)``, is planned by rows
+instead). The plan is cached on the index tensor (checked against its version
+counter, so editing the index in place makes a new plan); a broadcast index's
+plan on its storage, which the view made anew every step shares. The writes
+of :mod:`._scatter` use the same plans in the other direction.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ __all__ = [
     "request_read",
     "requestable",
     "gatherable",
+    "plan_for",
+    "broadcast_rows",
 ]
 
 
@@ -185,47 +190,119 @@ def _element_offsets(x_spec, index) -> torch.Tensor:
     return col.reshape(-1)
 
 
-def _plan_for(x_spec, index, mesh_dim: int, allow_negative: bool, op: str) -> RowPlan:
+def broadcast_rows(x_spec, index) -> bool:
+    """Whether element reads/writes with ``index`` are whole rows: ``index.view(-1, 1).expand_as(src)``.
+
+    The index has ``x``'s trailing shape, is sharded along dim 0 only and its
+    local tensor repeats one id along every other dim (stride 0, as ``expand``
+    leaves it): ``gather(x, 0, index)`` is then ``x[index[:, 0]]`` and
+    ``scatter_add(0, index, src)`` is ``index_add(0, index[:, 0], src)``.
+    Local metadata only: every rank's answer travels in the plan's all-gather.
+    """
+    local = index._local_tensor
+    if local.ndim < 2 or tuple(index.shape[1:]) != tuple(x_spec.global_shape[1:]):
+        return False
+    if any(p.is_shard() and p.dim != 0 for p in index._spec.placements):
+        return False
+    return all(local.stride(d) == 0 or local.shape[d] <= 1 for d in range(1, local.ndim))
+
+
+def _storage_cache(local) -> dict:
+    """Plans kept on the index's storage: views made again every step (``expand_as``) find them."""
+    storage = local.untyped_storage()
+    cache = getattr(storage, _CACHE, None)
+    if cache is None:
+        cache = {}
+        setattr(storage, _CACHE, cache)
+    if len(cache) > 16:  # many views of one buffer: keep the newest
+        cache.pop(next(iter(cache)))
+    return cache
+
+
+def plan_for(x_spec, index, mesh_dim: int, allow_negative: bool, op: str) -> tuple[RowPlan, bool]:
     """The cached plan of ``index`` for ``x_spec``'s rows (made, collectively, if missing or stale).
 
-    ``op == "gather"`` plans single elements: ``x`` is read as a row-sharded
-    vector of ``N * prod(trailing)`` entries, and entry ``(i, j...)`` of the
-    index asks for element ``index[i, j...] * prod(trailing) + flat(j...)``.
+    Returns ``(plan, rows)``. ``op`` in ``("gather", "scatter")`` plans single
+    elements: ``x`` is read as a row-sharded vector of ``N * prod(trailing)``
+    entries, and entry ``(i, j...)`` of the index asks for element
+    ``index[i, j...] * prod(trailing) + flat(j...)``; except where every rank's
+    index broadcasts whole rows (:func:`broadcast_rows`): then ``rows`` is True
+    and the plan is of the rows ``index[:, 0, ...]``, kept on the index's
+    storage (a new ``expand_as`` view every step still finds it). Other plans
+    are kept on the index tensor; both are checked against the version counter.
     """
-    elements = op == "gather"
+    elements = op in ("gather", "scatter")
+    want_rows = elements and broadcast_rows(x_spec, index)
+    local = index._local_tensor
     width = _numel(x_spec.global_shape[1:]) if elements else 1
-    sizes = tuple(s * width for s in x_spec.dim_sizes[0])
-    key = (mesh_dim, sizes, allow_negative, elements)
-    cache = index.__dict__.setdefault(_CACHE, {})
+    if want_rows:
+        cache = _storage_cache(local)
+        key = (
+            mesh_dim,
+            tuple(x_spec.dim_sizes[0]),
+            allow_negative,
+            "rows",
+            local.storage_offset(),
+            local.shape[0],
+            local.stride(0),
+            index._spec.placements,
+            index._spec.dim_sizes[0],
+        )
+        version = local._version
+    else:
+        cache = index.__dict__.setdefault(_CACHE, {})
+        key = (mesh_dim, tuple(x_spec.dim_sizes[0]), allow_negative, elements)
+        version = index._version
     hit = cache.get(key)
-    if hit is not None and hit[0] is x_spec.mesh and hit[1] == index._version:
-        return hit[2]
-    ids = index._local_tensor.reshape(-1).to(torch.int64)
+    if hit is not None and hit[0] is x_spec.mesh and hit[1] == version:
+        return hit[2], hit[3]
+    if want_rows:  # planned by elements before because another rank's index was no broadcast view
+        hit = index.__dict__.get(_CACHE, {}).get((mesh_dim, tuple(x_spec.dim_sizes[0]), allow_negative, elements))
+        if hit is not None and hit[0] is x_spec.mesh and hit[1] == index._version:
+            return hit[2], hit[3]
     size = x_spec.global_shape[0]
     lo = -size if allow_negative else 0
-    status = [0, 0]
-    if ids.numel():
-        vmin, vmax = int(ids.min()), int(ids.max())
-        if vmin < lo or vmax >= size:
-            status = [1, vmin if vmin < lo else vmax]
-    if status[0]:
-        ids = ids[:0]  # plan nothing here; every rank raises below
-    elif allow_negative:
-        ids = torch.where(ids < 0, ids + size, ids)
-    if elements and not status[0]:
-        ids = ids * width + _element_offsets(x_spec, index)
 
-    def check(rows):
-        for rank, row in enumerate(rows):
-            if row[0]:
-                raise IndexError(
-                    f"{op}: index {row[1]} (on rank {rank}) is out of bounds for dim 0 with size {size} "
-                    f"(valid: [{lo}, {size - 1}])"
-                )
+    def attempt(rows_mode):
+        if rows_mode:
+            ids = local[(slice(None),) + (0,) * (local.ndim - 1)] if local.shape[0] else local.reshape(-1)[:0]
+            ids = ids.reshape(-1).to(torch.int64)
+        else:
+            ids = local.reshape(-1).to(torch.int64)
+        status = [0, 0, int(rows_mode)]
+        if ids.numel():
+            vmin, vmax = int(ids.min()), int(ids.max())
+            if vmin < lo or vmax >= size:
+                status = [1, vmin if vmin < lo else vmax, int(rows_mode)]
+        if status[0]:
+            ids = ids[:0]  # plan nothing here; every rank raises below
+        elif allow_negative:
+            ids = torch.where(ids < 0, ids + size, ids)
+        if elements and not rows_mode and not status[0]:
+            ids = ids * width + _element_offsets(x_spec, index)
+        sizes = tuple(s * (1 if rows_mode else width) for s in x_spec.dim_sizes[0])
+        seen = []
 
-    plan = plan_rows(ids, sizes, x_spec.mesh, mesh_dim, head=status, check=check)
-    cache[key] = (x_spec.mesh, index._version, plan)  # one entry per layout and kind of read
-    return plan
+        def check(rows):
+            for rank, row in enumerate(rows):
+                if row[0]:
+                    raise IndexError(
+                        f"{op}: index {row[1]} (on rank {rank}) is out of bounds for dim 0 with size {size} "
+                        f"(valid: [{lo}, {size - 1}])"
+                    )
+            seen.extend(row[2] for row in rows)
+
+        plan = plan_rows(ids, sizes, x_spec.mesh, mesh_dim, head=status, check=check)
+        return plan, seen
+
+    plan, seen = attempt(want_rows)
+    rows = all(seen)
+    if any(seen) and not rows:  # some rank's index is not a broadcast view: every rank plans elements again
+        plan, _ = attempt(False)
+        cache = index.__dict__.setdefault(_CACHE, {})
+        key, version = (mesh_dim, tuple(x_spec.dim_sizes[0]), allow_negative, elements), index._version
+    cache[key] = (x_spec.mesh, version, plan, rows)  # one entry per layout and kind of read
+    return plan, rows
 
 
 def _out_spec(x_spec, index, elements: bool):
@@ -254,9 +331,11 @@ def request_read(x, index, allow_negative: bool = True, op: str = "indexing"):
     """
     mesh_dim = requestable(x, index)
     elements = op == "gather"
-    plan = _plan_for(x._spec, index, mesh_dim, allow_negative, op)
-    local = x._local_tensor.reshape(-1) if elements else x._local_tensor
+    plan, whole_rows = plan_for(x._spec, index, mesh_dim, allow_negative, op)
+    local = x._local_tensor.reshape(-1) if elements and not whole_rows else x._local_tensor
     rows = fetch_rows(plan, local)
+    if whole_rows:  # rows (k, *trailing) are the index's local shape already
+        rows = rows.reshape(-1)
     out = rows.reshape(tuple(index._local_tensor.shape) + tuple(rows.shape[1:]))
     return wrap(out, _out_spec(x._spec, index, elements)), plan
 
@@ -285,7 +364,7 @@ class RequestRead(Function):
     def setup_context(ctx, inputs, output):
         x, index, allow_negative, op, padding_idx = inputs
         mesh_dim = requestable(x, index)
-        ctx.plan = _plan_for(x._spec, index, mesh_dim, allow_negative, op)  # the cached plan of forward
+        ctx.plan, ctx.rows = plan_for(x._spec, index, mesh_dim, allow_negative, op)  # the cached plan of forward
         ctx.exchange = index._spec.placements[mesh_dim].is_shard()
         ctx.out_spec = output._spec
         ctx.elements = op == "gather"
@@ -298,7 +377,8 @@ class RequestRead(Function):
     def backward(ctx, grad):
         local = to_layout(grad, ctx.out_spec, implicit=False)
         if ctx.elements:
-            g = return_grads(ctx.plan, local.reshape(-1), ctx.exchange).reshape(ctx.grad_spec.local_shape)
+            flat = local.reshape((-1, *ctx.grad_spec.global_shape[1:])) if ctx.rows else local.reshape(-1)
+            g = return_grads(ctx.plan, flat, ctx.exchange).reshape(ctx.grad_spec.local_shape)
             return wrap(g, ctx.grad_spec), None, None, None, None
         rows = local.reshape((-1, *ctx.grad_spec.global_shape[1:]))
         if ctx.pad is not None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import physicsnemo_dp
-from physicsnemo_dp import ImplicitGatherError, ImplicitGatherWarning, count_collectives, implicit_gathers
+from physicsnemo_dp import ImplicitGatherError, ShardTensor, ImplicitGatherWarning, count_collectives, implicit_gathers
 from physicsnemo_dp._gathers import FIX_INDEX, FIX_PLAIN_BUFFER, listening
 from physicsnemo_dp.debug import explain, gather_policy
 from physicsnemo_dp.graph import build_graph
@@ -66,11 +66,14 @@ def test_each_kind_is_recorded_with_op_bytes_and_line(ctx):
         xt, _ = _sharded(ctx.mesh, (F_, N), 0, dim=1)
         line_gather = _here() + 1
         torch.gather(xt, 1, idx[None, :].expand(F_, E).contiguous())
-        # sharded values written into a plain buffer (torch_scatter's torch.zeros(N, F).scatter_add_ pattern)
+        # torch_scatter's torch.zeros(N, F).index_add_ / scatter_add_ pattern: by request, node-sharded, not recorded
         src, src_full = _sharded(ctx.mesh, (E, F_), 2, salt=2)
-        line_plain = _here() + 1
         out = torch.zeros(N, F_).index_add_(0, idx, src)
-        assert torch.allclose(out, torch.zeros(N, F_).index_add_(0, idx_full, src_full), atol=1e-6)
+        assert isinstance(out, ShardTensor) and out.placements[-1] == Shard(0)
+        assert torch.allclose(out.full_tensor(), torch.zeros(N, F_).index_add_(0, idx_full, src_full), atol=1e-6)
+        # sharded values written into a plain buffer otherwise (the index and the source gathered whole)
+        line_plain = _here() + 1
+        torch.zeros(F_, N).index_add_(1, idx, src.transpose(0, 1))  # along dim 1: no request path
         # a contraction that gathers an operand whole (window attention as timm writes it: tokens sharded)
         q, q_full = _sharded(ctx.mesh, (N, F_), 3, salt=3)
         k, k_full = _sharded(ctx.mesh, (N, F_), 4, salt=4)

@@ -338,7 +338,32 @@ def _tensor_index_case(draw, mesh_shape):
     return [draw_input(draw, shape, mesh_shape), idx], {}
 
 
+def _scatter_write_case(draw, mesh_shape):
+    """``x``, an index of at most ``x``'s extents (any layout, plain or sharded) and a source shaped like the index."""
+    shape = draw(dims(min_ndim=1, min_extent=1))
+    d = draw(st.integers(0, len(shape) - 1))
+    ishape = tuple(draw(st.integers(0, n)) if k != d else draw(st.integers(0, 5)) for k, n in enumerate(shape))
+    idx = draw_input(draw, ishape, mesh_shape, plain=draw(st.booleans()), kind=("index", shape[d]))
+    reduce = draw(st.sampled_from(["sum", "mean", "amax", "amin", "prod"]))
+    args = {"dim": d, "reduce": reduce, "include_self": draw(st.booleans())}
+    return [draw_input(draw, shape, mesh_shape), idx, draw_input(draw, ishape, mesh_shape)], args
+
+
+def _index_add_case(draw, mesh_shape):
+    shape = draw(dims(min_ndim=1, min_extent=1))
+    n = draw(st.integers(0, 5))
+    idx = draw_input(draw, (n,), mesh_shape, plain=draw(st.booleans()), kind=("index", shape[0]))
+    return [draw_input(draw, shape, mesh_shape), idx, draw_input(draw, (n, *shape[1:]), mesh_shape)], {}
+
+
 INDEXING = {
+    "scatter_reduce": Op(
+        lambda x, i, s, dim, reduce, include_self: x.scatter_reduce(dim, i, s, reduce, include_self=include_self),
+        _scatter_write_case,
+        REAL,
+    ),
+    "scatter_add": Op(lambda x, i, s, dim, reduce, include_self: x.scatter_add(dim, i, s), _scatter_write_case, ANY),
+    "index_add": Op(lambda x, i, s: x.index_add(0, i, s, alpha=2), _index_add_case, ANY),
     "index_select": Op(lambda x, i, dim: x.index_select(dim, i), _index_select_case, ANY),
     "gather": Op(lambda x, i, dim: torch.gather(x, dim, i), _gather_case, ANY),
     "getitem_basic": Op(lambda x, key: x[key], _unary(args=_basic_index), ANY),

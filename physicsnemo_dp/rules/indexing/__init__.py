@@ -38,7 +38,8 @@ Other families:
   the leading one (all-to-all), a replicated ``x`` is sliced to a sharded
   mask's boxes. Nothing moves when no masked dim is sharded.
 * ``x[idx] = v`` (``index_put_``), ``index_add``, ``scatter``, ``scatter_add``,
-  ``scatter_reduce``: sharded index tensors are all-gathered (integers);
+  ``scatter_reduce`` (those the graph family does not serve by request along
+  dim 0, :mod:`physicsnemo_dp.graph._scatter`): sharded index tensors are all-gathered (integers);
   values/sources move only if not already laid out like the part of ``x``
   they land in; a pending ``x`` is reduced first. ``x[mask] = v`` with a full
   ``v`` gathers the mask (bools) and ``v``; a broadcast ``v`` moves nothing.

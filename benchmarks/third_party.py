@@ -19,7 +19,8 @@ Cases:
   ``cat(x[src], x[dst])``, ``torch.zeros(N, F).scatter_add_(0, dst, e)``, a
   count for the mean, node MLP), the graph from ``build_graph``;
 * ``x[idx] + index_add, plain sharded index``: the same gather/scatter with an
-  index ShardTensor that did not come from ``build_graph`` (chunked edge list);
+  index ShardTensor that did not come from ``build_graph`` (the edge list sorted
+  by destination, in chunks);
 * ``window attention``: a Swin-style block (windows of 4 rows) on a grid whose
   row shards cut windows;
 * ``PyG GATConv`` / ``PyG PointNetConv`` (torch_geometric, default self
@@ -133,8 +134,10 @@ def _graph_cases(mesh, side: int, width: int):
     for name, mean in (("scatter_sum into zeros", False), ("scatter_mean into zeros", True)):
         layer = _frozen(_MeshGraphNetLayer(width, mean), mesh)
         yield name, (lambda x, layer=layer: layer(x, graph.src, graph.dst)), shard(x_full, mesh, 0)
-    # an index ShardTensor of the edge list in its own (chunked) order: not a graph, no ghost plan
-    src, dst = shard(edges[0].to(device), mesh, 0), shard(edges[1].to(device), mesh, 0)
+    # an index ShardTensor of the edge list sorted by destination, as a mesh file stores it, in chunks of the
+    # one split rule: not a graph, no ghost plan; a rank's edges mostly end at its own nodes
+    by_dst = edges[:, torch.argsort(edges[1], stable=True)].to(device)
+    src, dst = shard(by_dst[0], mesh, 0), shard(by_dst[1], mesh, 0)
     layer = _frozen(_MeshGraphNetLayer(width, False), mesh)
     yield "x[idx] + index_add, plain sharded index", (lambda x: layer(x, src, dst)), shard(x_full, mesh, 0)
     if importlib.util.find_spec("torch_geometric") is not None:

@@ -219,6 +219,7 @@ def test_adapter_arguments_and_versions(monkeypatch):
     with pytest.raises(TypeError, match="at least one nn.Module class"):
         integrations.allocate_like_input()
     import importlib.metadata
+    import importlib.util
 
     real = importlib.metadata.version
 

@@ -5,7 +5,7 @@ shape and write sharded values into it: the spectral convolutions of
 neuraloperator (``SpectralConv``: ``out_fft = torch.zeros(...)``, then
 ``out_fft[slices] = contract(...)``) and PhysicsNeMo (``SpectralConv1d/2d/3d/4d``:
 ``out_ft = torch.zeros(...)`` filled by slice assignment or by
-``out_ft + F.pad(...)``). On a ShardTensor that runs, with the right values,
+``out_ft + F.pad(...)``; ``DPOT2DLayer``'s block-diagonal spectral MLP buffers). On a ShardTensor that runs, with the right values,
 but every rank then holds the whole spectrum and gathers what is written into
 it (reported as an implicit gather, ``docs/communication.md``). Inside an
 adapted layer's ``forward`` such a factory call is served like
@@ -59,8 +59,9 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("2.0.0",),
         ("neuralop.layers.spectral_convolution:SpectralConv",),
     ),
-    # Read from nvidia-physicsnemo 2.2.2's physicsnemo/nn/module/spectral_layers.py; PhysicsNeMo needs warp and
-    # jaxtyping, so the tests run a line-for-line copy of its forward code (tests/spectral/_physicsnemo_layers.py)
+    # Read from nvidia-physicsnemo 2.2.2's physicsnemo/nn/module/spectral_layers.py and models/dpot/dpot.py;
+    # PhysicsNeMo needs warp and jaxtyping, so the tests run a line-for-line copy of SpectralConv1d/2d/3d's and
+    # DPOT2DLayer's forward code (tests/spectral/_physicsnemo_layers.py). SpectralConv4d: the same pattern, not run
     "physicsnemo": (
         "nvidia-physicsnemo",
         ("2.2.2",),
@@ -69,6 +70,7 @@ VERIFIED: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
             "physicsnemo.nn.module.spectral_layers:SpectralConv2d",
             "physicsnemo.nn.module.spectral_layers:SpectralConv3d",
             "physicsnemo.nn.module.spectral_layers:SpectralConv4d",
+            "physicsnemo.models.dpot.dpot:DPOT2DLayer",
         ),
     ),
 }
@@ -144,7 +146,7 @@ def neuraloperator(*, strict: bool = True) -> Adapter:
 
 
 def physicsnemo(*, strict: bool = True) -> Adapter:
-    """PhysicsNeMo's ``SpectralConv1d/2d/3d/4d`` (its FNO) allocate their spectrum sharded.
+    """PhysicsNeMo's ``SpectralConv1d/2d/3d/4d`` (its FNO) and ``DPOT2DLayer`` (DPOT) allocate their buffers sharded.
 
     Written against nvidia-physicsnemo 2.2.2's source (see :data:`VERIFIED`; :func:`enable` for ``strict``).
     """

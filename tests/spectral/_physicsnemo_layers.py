@@ -1,4 +1,4 @@
-"""PhysicsNeMo's spectral convolutions, copied: the forward code of ``SpectralConv1d/2d/3d``.
+"""PhysicsNeMo's spectral layers, copied: the forward code of ``SpectralConv1d/2d/3d`` and ``DPOT2DLayer``.
 
 Source: nvidia-physicsnemo 2.2.2 (PyPI wheel), ``physicsnemo/nn/module/spectral_layers.py``,
 Copyright (c) 2023 - 2026 NVIDIA CORPORATION & AFFILIATES, Apache License 2.0. PhysicsNeMo
@@ -138,3 +138,64 @@ class SpectralConv3d(nn.Module):
         self.weights2.data = self.scale * torch.rand(self.weights2.data.shape)
         self.weights3.data = self.scale * torch.rand(self.weights3.data.shape)
         self.weights4.data = self.scale * torch.rand(self.weights4.data.shape)
+
+
+class DPOT2DLayer(nn.Module):
+    """``physicsnemo/models/dpot/dpot.py``'s spectral mixing layer (``channel_first=False``, GELU), same wheel."""
+
+    def __init__(self, width=32, num_blocks=8, modes=32, hidden_size_factor=1):
+        super().__init__()
+        self.width = width
+        self.num_blocks = num_blocks
+        self.block_size = width // num_blocks
+        self.modes = modes
+        self.hidden_size_factor = hidden_size_factor
+        self.act = nn.GELU()
+        scale = 1.0 / (self.block_size * self.block_size * self.hidden_size_factor)
+        self.w1 = nn.Parameter(scale * torch.rand(2, num_blocks, self.block_size, self.block_size * hidden_size_factor))
+        self.b1 = nn.Parameter(scale * torch.rand(2, num_blocks, self.block_size * hidden_size_factor))
+        self.w2 = nn.Parameter(scale * torch.rand(2, num_blocks, self.block_size * hidden_size_factor, self.block_size))
+        self.b2 = nn.Parameter(scale * torch.rand(2, num_blocks, self.block_size))
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        residual = x
+        x_ft = torch.fft.rfft2(x, dim=(1, 2), norm="ortho")  # (B,H,W//2+1,C)
+        x_ft = x_ft.view(b, h, x_ft.shape[2], self.num_blocks, self.block_size)
+        kept = min(self.modes, h, w // 2 + 1)
+        o1_real = torch.zeros(
+            b,
+            h,
+            x_ft.shape[2],
+            self.num_blocks,
+            self.block_size * self.hidden_size_factor,
+            device=x.device,
+        )
+        o1_imag = torch.zeros_like(o1_real)
+        o2_real = torch.zeros(b, h, x_ft.shape[2], self.num_blocks, self.block_size, device=x.device)
+        o2_imag = torch.zeros_like(o2_real)
+        o1_real[:, :kept, :kept] = self.act(
+            torch.einsum("...bi,bio->...bo", x_ft[:, :kept, :kept].real, self.w1[0])
+            - torch.einsum("...bi,bio->...bo", x_ft[:, :kept, :kept].imag, self.w1[1])
+            + self.b1[0]
+        )
+        o1_imag[:, :kept, :kept] = self.act(
+            torch.einsum("...bi,bio->...bo", x_ft[:, :kept, :kept].imag, self.w1[0])
+            + torch.einsum("...bi,bio->...bo", x_ft[:, :kept, :kept].real, self.w1[1])
+            + self.b1[1]
+        )
+        o2_real[:, :kept, :kept] = (
+            torch.einsum("...bi,bio->...bo", o1_real[:, :kept, :kept], self.w2[0])
+            - torch.einsum("...bi,bio->...bo", o1_imag[:, :kept, :kept], self.w2[1])
+            + self.b2[0]
+        )
+        o2_imag[:, :kept, :kept] = (
+            torch.einsum("...bi,bio->...bo", o1_imag[:, :kept, :kept], self.w2[0])
+            + torch.einsum("...bi,bio->...bo", o1_real[:, :kept, :kept], self.w2[1])
+            + self.b2[1]
+        )
+        x_mix = torch.view_as_complex(torch.stack([o2_real, o2_imag], dim=-1))
+        x_mix = x_mix.view(b, h, x_mix.shape[2], c)
+        x_out = torch.fft.irfft2(x_mix, s=(h, w), dim=(1, 2), norm="ortho")
+        x_out = x_out + residual
+        return x_out

@@ -1,7 +1,7 @@
 """``physicsnemo_dp.integrations``: third-party spectral layers, unchanged, allocate their spectrum sharded.
 
 neuraloperator's FNO and TFNO (the ``spectral`` extra, marker ``spectral_extra``) and a line-for-line
-copy of PhysicsNeMo's ``SpectralConv1d/2d/3d`` (``_physicsnemo_layers.py``; PhysicsNeMo is not
+copy of PhysicsNeMo's ``SpectralConv1d/2d/3d`` and ``DPOT2DLayer`` (``_physicsnemo_layers.py``; PhysicsNeMo is not
 installable here) against one process: output, input gradient and every parameter gradient, uneven
 shards (an empty one at 3 and 4 ranks), worlds 1-4 and the 2x2 mesh, with implicit gathers set to
 ``"raise"`` (the adapted layers gather nothing). Without the adapter the same layers report implicit
@@ -152,7 +152,7 @@ def test_neuraloperator_traffic_per_rank_is_local_and_does_not_grow_with_ranks()
 # --------------------------------------------------------------------------- #
 # PhysicsNeMo's spectral convolutions (a copy of their code: no extra needed)
 # --------------------------------------------------------------------------- #
-_PNM = (pnm.SpectralConv1d, pnm.SpectralConv2d, pnm.SpectralConv3d)
+_PNM = (pnm.SpectralConv1d, pnm.SpectralConv2d, pnm.SpectralConv3d, pnm.DPOT2DLayer)
 
 
 def _pnm_cases(mesh):
@@ -172,6 +172,7 @@ def _pnm_cases(mesh):
         (pnm.SpectralConv1d(3, 3, 4), torch.randn(4, 3, 13), one_d),
         (pnm.SpectralConv2d(2, 3, 3, 3), torch.randn(2, 2, 11, 9), placements_for(mesh, (2, 3))),
         (pnm.SpectralConv3d(2, 2, 2, 2, 2), torch.randn(2, 2, 7, 4, 5), three_d),
+        (pnm.DPOT2DLayer(width=4, num_blocks=2, modes=3), torch.randn(2, 11, 9, 4), placements_for(mesh, (1, 2))),
     ]
 
 
@@ -182,13 +183,17 @@ def test_physicsnemo_spectral_convs_through_the_adapter(ctx):
         for i, placements in enumerate(layouts):
             with integrations.allocate_like_input(*_PNM) as adapter, implicit_gathers("raise"):
                 out = check_model(layer, x, ctx.mesh, placements, salt=i)
-            assert adapter.redirected == 1, (type(layer).__name__, adapter)
+            # one plain torch.zeros per forward (DPOT: two; its other two buffers are zeros_like of those)
+            assert adapter.redirected == (2 if isinstance(layer, pnm.DPOT2DLayer) else 1), (
+                type(layer).__name__,
+                adapter,
+            )
             assert any(p.is_shard() for p in out.placements), out.placements
 
 
 @distributed(world_sizes=(3,), mesh_2d=False)
 def test_physicsnemo_spectral_convs_without_the_adapter(ctx):
-    """Without it: SpectralConv1d's write is an implicit gather at its line; 2d/3d hold a whole plain spectrum.
+    """Without it: SpectralConv1d's and DPOT2DLayer's writes are implicit gathers; 2d/3d hold a whole plain spectrum.
 
     ``zeros + F.pad(sharded)`` moves nothing (the plain zeros are sliced to each rank's box) but each rank
     allocates the global spectrum: the adapter removes that allocation too (``redirected``).
@@ -208,6 +213,12 @@ def test_physicsnemo_spectral_convs_without_the_adapter(ctx):
     xs = shard_from_global(x, make_spec(ctx.mesh, (Shard(2),), tuple(x.shape), dtype=x.dtype))
     with implicit_gathers("raise"):
         assert isinstance(layer(xs), ShardTensor)  # runs, and gathers nothing: only the allocation is global
+    layer, x, _ = cases[3]  # DPOT2DLayer: slice assignments into plain buffers, each written block gathered
+    xs = shard_from_global(x, make_spec(ctx.mesh, (Shard(1),), tuple(x.shape), dtype=x.dtype))
+    with implicit_gathers("allow"), listening(_Records()) as sink:
+        expected = layer(x)
+        assert torch.allclose(layer(xs).full_tensor(), expected, atol=1e-6)
+    assert sink.found and all(r.fix == FIX_PLAIN_BUFFER for r in sink.found), [str(r) for r in sink.found]
 
 
 def test_adapter_arguments_and_versions(monkeypatch):

@@ -16,19 +16,25 @@ write it. Neither knows about ranks: ``torch.fft.rfft2`` on a row-sharded
 ShardTensor transposes the data (one all-to-all) so the rows are whole, the
 modes are truncated and mixed on the frequency columns each rank holds, and
 ``irfft2`` transposes back (one all-to-all): no rank ever holds a whole sample
-or its whole spectrum. Weights are plain tensors (complex ones for the
-spectral layers), wrapped by DDP or FSDP2 on the ddp axis.
+or its whole spectrum. neuraloperator's ``SpectralConv`` allocates its spectrum
+with a plain ``torch.zeros`` of the global shape, so its FNO trains under
+``physicsnemo_dp.integrations.neuraloperator()``, which allocates that buffer
+sharded like the spectrum (without it: the same losses, but every rank holds the
+whole spectrum and gathers the written modes). Weights are plain tensors (complex
+ones for the spectral layers), wrapped by DDP or FSDP2 on the ddp axis.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 
 import torch
 from torch import nn
 
+from physicsnemo_dp import integrations
 from physicsnemo_dp.distributed import MeshContext
 
 import _common
@@ -95,8 +101,10 @@ def run(argv=None, context: MeshContext | None = None) -> dict:
     """Train, test and plot; returns the run's result (see ``_common.close_run``)."""
     args = parse_args(argv)
     kind = model_kind(args.model)
-    with _common.open_run(args, context, "fno-darcy",
-                          f"grid {args.grid}x{args.grid}, model {kind}, modes {args.modes}") as (context, out, log):
+    adapter = integrations.neuraloperator() if kind == "neuralop" else contextlib.nullcontext()
+    with adapter, _common.open_run(args, context, "fno-darcy",
+                                   f"grid {args.grid}x{args.grid}, model {kind}, modes {args.modes}") as (
+            context, out, log):
         train, test = unet_darcy.prepare_data(args, out)
         train_pipe, test_pipe, normalize = unet_darcy.make_pipes(args, context, train, test)
         model, optimizer, scheduler = _common.build_training(args, context, lambda: make_model(args), torch.optim.Adam)

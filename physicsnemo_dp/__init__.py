@@ -21,6 +21,7 @@ from .launch import RankError, launch
 from .split import chunk_sizes
 from . import catalog, debug  # noqa: F401  (catalog fills the op table; debug is a public subpackage)
 from . import random  # noqa: E402,F401  (public subpackage: decomposition-invariant random numbers)
+from . import integrations  # noqa: E402,F401  (public subpackage: opt-in adapters for third-party layers)
 from .random import rand, randint, randn  # noqa: E402
 
 __all__ = [

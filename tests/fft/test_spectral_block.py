@@ -8,10 +8,13 @@ the transpose. The FNO pattern in between (``x_ft[..., :m1, :m2]``,
 ``irfft2(out_ft, s=(H, W))``) moves nothing else.
 """
 
+import inspect
+
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
-from physicsnemo_dp import ShardTensor, count_collectives
+from physicsnemo_dp import ShardTensor, count_collectives, implicit_gathers
+from physicsnemo_dp._gathers import FIX_PLAIN_BUFFER, listening
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
@@ -59,11 +62,21 @@ def test_rfft2_irfft2_pair_moves_only_the_transposes(ctx):
         assert set(fwd.calls) == set(inv.calls) == ({"all_to_all"} if moved else set()), (fwd.summary(), inv.summary())
         assert fwd.calls["all_to_all"] == inv.calls["all_to_all"] == int(moved)
         shape = tuple(x_ft.shape)
-        minimum = _transpose_bytes(x._spec, x_ft._spec, 2, 3, shape, 16) + _transpose_bytes(x_ft._spec, y._spec, 3, 2, shape, 16)
+        minimum = _transpose_bytes(x._spec, x_ft._spec, 2, 3, shape, 16) + _transpose_bytes(
+            x_ft._spec, y._spec, 3, 2, shape, 16
+        )
         sent = fwd.total_sent + inv.total_sent
         assert sent <= 1.1 * minimum, (sent, minimum)
         if moved and kind == "chunk":
             assert minimum > 0
+
+
+class _Records:
+    def __init__(self):
+        self.found = []
+
+    def implicit_gather(self, record):
+        self.found.append(record)
 
 
 def _spectral(x, w1, w2, zeros):
@@ -135,9 +148,18 @@ def test_fno_plain_zero_spectrum(ctx):
     ref_in = g.clone().requires_grad_(True)
     ref = _spectral(ref_in, r1, r2, zeros)
     x = shard_from_global(g, make_spec(ctx.mesh, _h_sharded(ctx.mesh), tuple(g.shape), "uneven"), requires_grad=True)
-    with count_collectives() as fwd:
+    with count_collectives() as fwd, implicit_gathers("allow"), listening(_Records()) as sink:
         y = _spectral(x, w1, w2, zeros)
     assert not isinstance(y, ShardTensor) and y.requires_grad  # replicated from the plain buffer on
+    # reported (issue 27 point 1): one implicit gather per written block, at the line that writes it
+    lines = inspect.getsource(_spectral).splitlines()
+    first = _spectral.__code__.co_firstlineno
+    writes = [f"{__file__}:{first + i}" for i, text in enumerate(lines) if text.lstrip().startswith("out_ft[")]
+    assert len(writes) == 2 and [r.source for r in sink.found] == writes, [str(r) for r in sink.found]
+    assert all(
+        r.fix == FIX_PLAIN_BUFFER and r.kind.startswith("sharded values written into a plain tensor")
+        for r in sink.found
+    )
     _close(y.detach(), ref.detach(), "forward")
     modes = 2 * B * C * M1 * M2 * 16  # the two written blocks, complex128
     assert fwd.bytes_received["all_gather"] <= modes, fwd.summary()  # never the full spectrum

@@ -61,6 +61,7 @@ def test_overlapped_and_sequential_orders_give_the_same_bits(ctx):
         assert torch.equal(a.to_local() if hasattr(a, "to_local") else a, c.to_local() if hasattr(c, "to_local") else c)
     # the forward exchange and its mirror (rank 1 receives and sends nothing: nothing to wait for)
     assert clock.waits["halo"] == (0 if ctx.rank == 1 else 2) and clock.total >= 0
+    assert clock.waits["all_reduce"] == 1  # the weight's and bias's gradients, summed together (the stall check's wait)
 
 
 @distributed(world_sizes=(2,), mesh_2d=False)

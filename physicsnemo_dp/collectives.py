@@ -116,7 +116,7 @@ def _listening(sink):
 
 @dataclass
 class WaitClock:
-    """Seconds this thread spent waiting for collectives to complete while the clock ran, per kind.
+    """Seconds spent waiting for collectives to complete while the clock ran, per kind.
 
     Only the wait is timed (from the call that blocks until the transfer is
     done to its return), not posting the collective or packing its buffers:
@@ -140,11 +140,13 @@ class WaitClock:
 
 @contextlib.contextmanager
 def wait_clock() -> Iterator[WaitClock]:
-    """Time every wait for an eager collective of physicsnemo_dp on this thread inside the block.
+    """Time every wait for an eager collective of physicsnemo_dp in this process while the block runs.
 
     Cheap (two ``perf_counter`` calls per wait while a clock runs, one list
-    test otherwise), so benchmarks time whole training steps with it. Waits
-    inside compiled graphs are the graph's own and are not seen. Clocks nest.
+    test otherwise), so benchmarks time whole training steps with it. The
+    clocks are the process's, so waits in autograd's device threads (backward
+    of CUDA tensors) count too. Waits inside compiled graphs are the graph's
+    own and are not seen. Clocks nest.
     """
     clock = WaitClock()
     _stall.CLOCKS.append(clock)
@@ -172,7 +174,9 @@ def overlap(mode: str) -> Iterator[None]:
 
     ``"off"`` waits for every transfer as soon as it is posted (exchange, then
     compute). Results are the same bits in every mode: only the order of a
-    rank's work changes, so ranks need not agree on the mode.
+    rank's work changes, so ranks need not agree on the mode. The mode is a
+    context variable: backward reads the one of the thread it runs on (on CPU,
+    the caller of ``backward``; autograd's device threads see ``"auto"``).
     """
     if mode not in _OVERLAP_MODES:
         raise ValueError(f"overlap mode must be one of {_OVERLAP_MODES}, got {mode!r}")

@@ -28,6 +28,34 @@ def conv_net(channels: int = 4, width: int = 16) -> nn.Module:
     )  # fmt: skip
 
 
+class UNet(nn.Module):
+    """The U-Net of ``examples/unet_darcy.py``: conv blocks with GroupNorm, max-pool down, bilinear up, skips."""
+
+    def __init__(self, c_in: int = 1, c_out: int = 1, width: int = 16, depth: int = 2):
+        super().__init__()
+        widths = [width * 2**i for i in range(depth + 1)]
+
+        def block(a: int, b: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.GroupNorm(4, b), nn.GELU(),
+                                 nn.Conv2d(b, b, 3, padding=1), nn.GroupNorm(4, b), nn.GELU())  # fmt: skip
+
+        self.down = nn.ModuleList([block(c_in, widths[0])] + [block(widths[i], widths[i + 1]) for i in range(depth)])
+        self.up = nn.ModuleList(block(widths[i + 1] + widths[i], widths[i]) for i in reversed(range(depth)))
+        self.head = nn.Conv2d(width, c_out, 1)
+
+    def forward(self, x):
+        skips = []
+        for i, block in enumerate(self.down):
+            x = block(x if i == 0 else nn.functional.max_pool2d(x, 2))
+            skips.append(x)
+        skips.pop()
+        for block in self.up:
+            skip = skips.pop()
+            x = nn.functional.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=False)
+            x = block(torch.cat([x, skip], dim=1))
+        return self.head(x)
+
+
 def transformer_block(dim: int = 64, heads: int = 4) -> nn.Module:
     """``nn.TransformerEncoderLayer`` (no dropout): on a sequence-sharded input its SDPA is ring attention."""
     return nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)

@@ -30,7 +30,7 @@ from benchmarks._record import over_ranks
 from physicsnemo_dp import launch
 
 SUITES = ("comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io_throughput",
-          "scaling_curves", "graph", "graph_search", "third_party", "mesh_prepare")
+          "scaling_curves", "graph", "graph_search", "third_party", "overlap", "mesh_prepare")
 
 
 def _rank_body(mesh, suites, scale: float, tiny: bool, compare_dtensor: bool):

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from . import _torch_compat
 from .errors import PlacementError
 
-__all__ = ["activity", "interval", "raised_alone", "wait"]
+__all__ = ["activity", "interval", "raised_alone", "wait", "waited"]
 
 _ENV = "PDP_STALL_SECONDS"
 _DEFAULT_SECONDS = 10.0
@@ -131,8 +131,31 @@ def _alone(rank: int, message: str) -> str:
     return f"{message}\n(raised on rank {rank} alone; the other ranks raise it when their next collective stalls)"
 
 
+#: The clocks summing the time this thread waits in collectives (:func:`physicsnemo_dp.collectives.wait_clock`);
+#: empty (the usual case) costs one truthiness test per wait.
+CLOCKS: list = []
+
+
+def waited(kind: str, start: float) -> None:
+    """Add ``perf_counter() - start`` seconds of waiting in a ``kind`` collective to every active clock."""
+    seconds = time.perf_counter() - start
+    for clock in CLOCKS:
+        clock.add(kind, seconds)
+
+
 def wait(work, group, kind: str) -> None:
     """Wait for a posted collective ``work`` on ``group``; diagnose if it stalls (see the module docstring)."""
+    if not CLOCKS:
+        _wait(work, group, kind)
+        return
+    start = time.perf_counter()
+    try:
+        _wait(work, group, kind)
+    finally:
+        waited(kind, start)
+
+
+def _wait(work, group, kind: str) -> None:
     global _left_failure
     name = group.group_name
     call = _issued[name] = _issued.get(name, 0) + 1

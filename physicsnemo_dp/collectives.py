@@ -40,7 +40,9 @@ point with its few peers and falls back to :func:`all_to_all_v` while traced.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -50,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import _mesh_order, _stall
 from . import _torch_compat as tc
 
-__all__ = ["CommCounter", "count_collectives"]
+__all__ = ["CommCounter", "WaitClock", "count_collectives", "overlap", "wait_clock"]
 
 
 @dataclass
@@ -110,6 +112,95 @@ def _listening(sink):
         yield sink
     finally:
         _ACTIVE.remove(sink)
+
+
+@dataclass
+class WaitClock:
+    """Seconds spent waiting for collectives to complete while the clock ran, per kind.
+
+    Only the wait is timed (from the call that blocks until the transfer is
+    done to its return), not posting the collective or packing its buffers:
+    the time the main thread could have computed had the data been there.
+    Kinds: the stall check's names for collectives (``all_to_all``,
+    ``all_gather``, ``all_reduce``, ``broadcast``), ``send_recv`` for ring
+    hops and the neighbour-exchange kind (``halo``) for halos.
+    """
+
+    seconds: dict = field(default_factory=lambda: defaultdict(float))
+    waits: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+        self.waits[kind] += 1
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+@contextlib.contextmanager
+def wait_clock() -> Iterator[WaitClock]:
+    """Time every wait for an eager collective of physicsnemo_dp in this process while the block runs.
+
+    Cheap (two ``perf_counter`` calls per wait while a clock runs, one list
+    test otherwise), so benchmarks time whole training steps with it. The
+    clocks are the process's, so waits in autograd's device threads (backward
+    of CUDA tensors) count too. Waits inside compiled graphs are the graph's
+    own and are not seen. Clocks nest.
+    """
+    clock = WaitClock()
+    _stall.CLOCKS.append(clock)
+    try:
+        yield clock
+    finally:
+        _stall.CLOCKS.remove(clock)
+
+
+_OVERLAP: ContextVar[str] = ContextVar("physicsnemo_dp_overlap", default="auto")
+_OVERLAP_MODES = ("auto", "on", "off")
+
+
+@contextlib.contextmanager
+def overlap(mode: str) -> Iterator[None]:
+    """Whether communication overlaps computation in the block (a measuring and debugging switch).
+
+    * halos of stride-1 "same" convolutions (``spatial/_seam_conv.py``): the
+      exchange is posted, the interior convolved, and the exchange waited for
+      only for the seam rows (backward: the seams' gradients sent back while
+      the interior's backward runs). ``"auto"`` (the default) where the local
+      input holds at least 64 KiB, ``"on"`` always;
+    * ring attention: the next hop's K/V (and the travelling dK/dV) in flight
+      while the current block computes (``"auto"`` and ``"on"``).
+
+    ``"off"`` waits for every transfer as soon as it is posted (exchange, then
+    compute). Results are the same bits in every mode: only the order of a
+    rank's work changes, so ranks need not agree on the mode. The mode is a
+    context variable: backward reads the one of the thread it runs on (on CPU,
+    the caller of ``backward``; autograd's device threads see ``"auto"``).
+    """
+    if mode not in _OVERLAP_MODES:
+        raise ValueError(f"overlap mode must be one of {_OVERLAP_MODES}, got {mode!r}")
+    token = _OVERLAP.set(mode)
+    try:
+        yield
+    finally:
+        _OVERLAP.reset(token)
+
+
+def overlap_mode() -> str:
+    """The mode of the innermost :func:`overlap` block (``"auto"`` outside any)."""
+    return _OVERLAP.get()
+
+
+def _wait_works(works, kind: str) -> None:
+    """Wait for point-to-point works (posted by :func:`_post`), timed by any running :func:`wait_clock`."""
+    if not works:
+        return
+    start = time.perf_counter() if _stall.CLOCKS else None
+    for work in works:
+        work.wait()
+    if start is not None:
+        _stall.waited(kind, start)
 
 
 def _record(kind: str, sent: int, received: int, mesh: DeviceMesh, mesh_dim: int) -> None:
@@ -192,6 +283,28 @@ def neighbour_exchange(
       running the compiled graph therefore pairs only with ranks running it
       too, never with one running the same exchange eagerly.
     """
+    return post_neighbour_exchange(chunks_in, send_peers, recv_peers, mesh, mesh_dim, kind).wait()
+
+
+def post_neighbour_exchange(
+    chunks_in: torch.Tensor,
+    send_peers: Sequence[tuple[int, int]],
+    recv_peers: Sequence[tuple[int, int]],
+    mesh: DeviceMesh,
+    mesh_dim: int,
+    kind: str = "neighbour_exchange",
+) -> "Posted":
+    """:func:`neighbour_exchange` posted, not waited for: ``.wait()`` on the result returns what it returns.
+
+    Lets a caller compute what needs no foreign rows (a convolution's
+    interior) while the rows travel. Arguments are checked as
+    :func:`neighbour_exchange` checks them (it is this, then ``wait``). While
+    torch.compile traces, the exchange is the functional :func:`all_to_all_v`
+    (already issued; the graph waits where the rows are first read). One
+    posted exchange per mesh dim at a time: every rank must wait for it before
+    it posts the next one on the same group (point-to-point messages between
+    two ranks match in posting order).
+    """
     group = mesh.size(mesh_dim)
     me = _mesh_order.coordinate(mesh, mesh_dim)
     _check_peers("send_peers", send_peers, group)
@@ -205,22 +318,41 @@ def neighbour_exchange(
     if to_me != from_me:
         raise ValueError(f"rank {me} sends itself {to_me} rows (send_peers) but receives {from_me} (recv_peers)")
     if tc.tracing(chunks_in):
-        return all_to_all_v(chunks_in, _dense(send_peers, group), _dense(recv_peers, group), mesh, mesh_dim, kind)
+        dense = _dense(send_peers, group), _dense(recv_peers, group)
+        return Posted(all_to_all_v(chunks_in, *dense, mesh, mesh_dim, kind))
     row = _nbytes(_row_numel(chunks_in), chunks_in.dtype)
     receiving = sum(n for _, n in recv_peers)
     _record(kind, (sending - (to_me or 0)) * row, (receiving - (from_me or 0)) * row, mesh, mesh_dim)
     received = chunks_in.new_empty((receiving, *chunks_in.shape[1:]))
     if chunks_in.device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
-        return received
+        return Posted(received)
     sends = dict(zip((r for r, _ in send_peers), chunks_in.contiguous().split([n for _, n in send_peers])))
     recvs = dict(zip((r for r, _ in recv_peers), received.split([n for _, n in recv_peers])))
     if to_me:
         recvs.pop(me).copy_(sends.pop(me))
-    works, _, landing = _post(sends.items(), recvs.items(), mesh, mesh_dim, tag=0)
-    for work in works:  # waited for here: the buffers are alive
-        work.wait()
-    _land(landing)
-    return received
+    works, wires, landing = _post(sends.items(), recvs.items(), mesh, mesh_dim, tag=0)
+    return Posted(received, works, wires, landing, kind)
+
+
+@dataclass
+class Posted:
+    """A posted :func:`post_neighbour_exchange`: :meth:`wait` returns the received rows (once the works are done).
+
+    Holds the send buffers until the wait (the backend reads them while the
+    works run).
+    """
+
+    received: torch.Tensor
+    works: list = field(default_factory=list)
+    sent: list = field(default_factory=list)
+    landing: list = field(default_factory=list)
+    kind: str = "neighbour_exchange"
+
+    def wait(self) -> torch.Tensor:
+        _wait_works(self.works, self.kind)
+        _land(self.landing)
+        self.works, self.sent, self.landing = [], [], []
+        return self.received
 
 
 def _check_peers(name: str, peers: Sequence[tuple[int, int]], group: int) -> None:
@@ -434,8 +566,7 @@ class Exchange:
     landing: list = field(default_factory=list)  # (device buffer, host buffer) received through host memory
 
     def wait(self) -> list:
-        for work in self.works:
-            work.wait()
+        _wait_works(self.works, "send_recv")
         _land(self.landing)
         self.works, self.sent, self.landing = [], [], []
         return self.received

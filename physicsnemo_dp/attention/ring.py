@@ -176,10 +176,28 @@ def ring_forward(g: Grouped, ap: AttentionPlan):
         if step < ring.size - 1:
             pending = ring.post(parcel.own() if held is None else held, parcel.like(ring.source(step + 1)), _KV)
         k, v, mask = parcel.unpack(held, src)
+        pending = _arrived_now(pending)
         attend(g.q, k, v, mask, ring.rows0, ring.cols0[src], ring.tiles[src], options.scale, out, lse)
         if pending is not None:
             held = pending.wait()
     return out, lse
+
+
+class _Arrived:
+    """A hop already waited for (``collectives.overlap("off")``): ``wait`` hands its tensors out again."""
+
+    def __init__(self, received):
+        self._received = received
+
+    def wait(self):
+        return self._received
+
+
+def _arrived_now(pending):
+    """``pending`` as it is (overlapped: waited for after the block), or waited for now (``overlap("off")``)."""
+    if pending is None or collectives.overlap_mode() != "off":
+        return pending
+    return _Arrived(pending.wait())
 
 
 def ring_backward(g: Grouped, ap: AttentionPlan, dout, out, lse):
@@ -205,6 +223,7 @@ def _backward_chunk(g: Grouped, ring: _Ring, options: Options, dout, out, lse, d
         if step < ring.size - 1:
             pending = ring.post(parcel.own() if held is None else held, parcel.like(ring.source(step + 1)), _KV)
         k, v, mask = parcel.unpack(held, src)
+        pending = _arrived_now(pending)
         if step == 0:
             into = (dk, dv)  # the own block's contribution stays home, in the result
         elif grads_in is None:  # the accumulator of block ``src`` is born here
@@ -215,7 +234,8 @@ def _backward_chunk(g: Grouped, ring: _Ring, options: Options, dout, out, lse, d
                         delta, dq, out, into=into)  # fmt: skip
         if step:
             # to the rank holding block ``src`` next; after the last step that is its owner
-            grads_in = ring.post([into.flat()], parcel.grads_like(ring.source(step + 1), dq.dtype), _GRADS)
+            posted = ring.post([into.flat()], parcel.grads_like(ring.source(step + 1), dq.dtype), _GRADS)
+            grads_in = _arrived_now(posted)
         if pending is not None:
             held = pending.wait()
     if grads_in is not None:

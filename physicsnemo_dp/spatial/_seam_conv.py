@@ -21,6 +21,16 @@ The communication is the window op's exactly (the same halo plan: one
 exchange forward, its mirror backward, skipped when the input needs no
 gradient), so each rank may take this path or the window op's on its own:
 a rank whose shard is thinner than ``P`` rows uses the window op.
+
+The split also lets the exchange overlap the work. Forward posts the
+exchange, convolves the local rows (the interior: it needs no foreign row),
+and only then waits for the halo the seams need; backward computes the seams'
+gradients first, posts them back to their owners, and runs the interior's
+``convolution_backward`` while they travel. Where that pays (local inputs of
+:data:`OVERLAP_MIN_BYTES` or more, under ``collectives.overlap("auto")``) or
+when forced (``"on"``); otherwise, and while torch.compile traces, each
+exchange is waited for as soon as it is posted. The same ops run in both
+orders on the same values, so the results are the same bits.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._torch_compat import Function, non_differentiable
+from .. import collectives
+from .._torch_compat import Function, non_differentiable, tracing
 from .._redistribute import grad_layout
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from . import halo
@@ -82,6 +93,24 @@ class SeamConv:
         return out
 
 
+#: Local input bytes from which a seam convolution overlaps its halo exchange with the interior
+#: (``collectives.overlap("auto")``, the default): below it the exchange hides nothing measurable.
+OVERLAP_MIN_BYTES = 64 * 1024
+
+
+def overlapped(local: torch.Tensor) -> bool:
+    """Whether this call posts its exchange before the interior and waits only for the seams.
+
+    While torch.compile traces, never: the exchange is a functional
+    collective there, waited for where the graph first reads it (the
+    compiler orders the work).
+    """
+    mode = collectives.overlap_mode()
+    if mode == "off" or tracing(local):
+        return False
+    return mode == "on" or local.numel() * local.element_size() >= OVERLAP_MIN_BYTES
+
+
 def plan(geometry: Geometry, maps, batched: bool, dilation, groups, padding) -> SeamConv | None:
     """The seam plan for this rank, or None when this call (or this rank's shard) needs the window op.
 
@@ -116,10 +145,15 @@ class SeamConvFunction(Function):
     @staticmethod
     def forward(s: SeamConv, x, weight, bias):
         g = s.geometry
-        _, (rows,) = halo.exchange(x._local_tensor, g.plans, g.in_spec.mesh)
-        local, rows = _batched(s, x._local_tensor), _batched(s, rows)
+        overlap = overlapped(x._local_tensor)
+        arriving = halo.post_exchange(x._local_tensor, g.plans[0], g.in_spec.mesh)
+        rows = None if overlap else arriving.wait()
+        local = _batched(s, x._local_tensor)
         w, b = weight._local_tensor, None if bias is None else bias._local_tensor
-        out = s.conv(local, w, b, seam=False)
+        out = s.conv(local, w, b, seam=False)  # the interior: no foreign row needed
+        if overlap:
+            rows = arriving.wait()
+        rows = _batched(s, rows)
         for row, slab, _ in s.slabs(local, rows):
             out.narrow(s.dim, row, s.pad).add_(s.conv(slab, w, None, seam=True))
         return wrap(_unbatched(s, out), g.out_spec), _unbatched(s, rows)
@@ -142,19 +176,30 @@ class SeamConvFunction(Function):
         local, rows, w = _batched(s, x._local_tensor), _batched(s, rows), weight._local_tensor
         needs_x = ctx.needs_input_grad[1]
         bias_sizes = None if ctx.bias_meta is None else list(ctx.bias_meta[0])
-        gx, gw, gb = s.conv_backward(grad, local, w, bias_sizes, False, [needs_x, True, bias_sizes is not None])
-        halo_grads = []
+        overlap = overlapped(x._local_tensor)
+
+        def interior():
+            return s.conv_backward(grad, local, w, bias_sizes, False, [needs_x, True, bias_sizes is not None])
+
+        if not overlap:
+            gx, gw, gb = interior()
+        # the seams first: their rows' gradients travel (overlapped: during the interior's backward)
+        halo_grads, slab_gws = [], []
         for row, slab, (start, count) in s.slabs(local, rows):
             gs, gws, _ = s.conv_backward(grad.narrow(s.dim, row, s.pad).contiguous(), slab, w, None, True,
                                          [needs_x, True, False])  # fmt: skip
-            gw = gw + gws
+            slab_gws.append(gws)
             if needs_x:
                 halo_grads.append(gs.narrow(s.dim, start, count))
+        p, mesh = g.plans[0], g.in_spec.mesh
+        returning = halo.post_send_back(_unbatched(s, _joined(halo_grads, rows, s.dim)), p, mesh) if needs_x else None
+        if overlap:
+            gx, gw, gb = interior()
+        for gws in slab_gws:  # in the same order on both paths: the same bits
+            gw = gw + gws
         grad_x = None
         if needs_x:
-            returned = halo.send_back(_unbatched(s, gx), _unbatched(s, _joined(halo_grads, rows, s.dim)), g.plans[0],
-                                      g.in_spec.mesh, in_place=True)  # fmt: skip
-            grad_x = wrap(returned, grad_layout(g.in_spec))
+            grad_x = wrap(halo.add_returned(_unbatched(s, gx), returning, p, in_place=True), grad_layout(g.in_spec))
         grad_w = wrap(gw, partial_spec(g.in_spec, tuple(w.shape), w.dtype))
         grad_b = None if gb is None else wrap(gb, partial_spec(g.in_spec, *ctx.bias_meta))
         return None, grad_x, grad_w, grad_b

@@ -159,10 +159,29 @@ def _last_exchanging(plans):
 
 
 def _exchange(local, p: DimPlan, mesh):
+    return post_exchange(local, p, mesh).wait()
+
+
+class _Arriving:
+    """Rows in flight along one dim: :meth:`wait` returns them with the dim back in place."""
+
+    def __init__(self, posted, dim: int):
+        self._posted, self._dim = posted, dim
+
+    def wait(self) -> torch.Tensor:
+        return self._posted.wait().movedim(0, self._dim)
+
+
+def post_exchange(local, p: DimPlan, mesh) -> _Arriving:
+    """Post one dim's exchange of :func:`exchange` (``p.exchange`` true); ``.wait()`` gives the received rows.
+
+    The rows travel while the caller computes; it must wait before it posts
+    another exchange on the same mesh dim.
+    """
     d = p.dim
     send = local.index_select(d, graph_constant(p.send_index, like=local)).movedim(d, 0)
-    recv = collectives.neighbour_exchange(send, p.send_peers, p.recv_peers, mesh, p.mesh_dim, kind=KIND)
-    return recv.movedim(0, d)
+    posted = collectives.post_neighbour_exchange(send, p.send_peers, p.recv_peers, mesh, p.mesh_dim, kind=KIND)
+    return _Arriving(posted, d)
 
 
 def _assemble(pieces: Sequence[torch.Tensor], p: DimPlan, value) -> torch.Tensor:
@@ -232,10 +251,21 @@ def send_back(grad, rows, p: DimPlan, mesh, in_place: bool):
     rows (added into in place with ``in_place``), ``rows`` of the received
     ones, in the order they arrived.
     """
+    return add_returned(grad, post_send_back(rows, p, mesh), p, in_place)
+
+
+def post_send_back(rows, p: DimPlan, mesh) -> _Arriving:
+    """Post the exchange of :func:`send_back` (the received rows' gradients ``rows`` to their owners)."""
     d = p.dim
-    back = collectives.neighbour_exchange(rows.movedim(d, 0), p.recv_peers, p.send_peers, mesh, p.mesh_dim, kind=KIND)
+    return _Arriving(collectives.post_neighbour_exchange(rows.movedim(d, 0), p.recv_peers, p.send_peers, mesh,
+                                                         p.mesh_dim, kind=KIND), d)  # fmt: skip
+
+
+def add_returned(grad, arriving: _Arriving, p: DimPlan, in_place: bool):
+    """Wait for :func:`post_send_back`'s rows and add them to the local rows' gradient ``grad``."""
+    back = arriving.wait()
     add = grad.index_add_ if in_place else grad.index_add
-    return add(d, graph_constant(p.send_index, like=grad), back.movedim(0, d))
+    return add(p.dim, graph_constant(p.send_index, like=grad), back)
 
 
 # --------------------------------------------------------------------------- #

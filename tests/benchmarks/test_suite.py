@@ -42,7 +42,7 @@ def test_every_suite_reports_at_every_world_size_and_has_a_plot(report):
     seen = {(r["suite"], r["world_size"]) for r in data["results"]}
     suites = {suite for suite, _ in seen}
     assert suites == {"comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io", "scaling_curves",
-                      "graph", "graph_search", "third_party", "mesh_prepare"}
+                      "graph", "graph_search", "third_party", "overlap", "mesh_prepare"}
     from_two = {"comm_volume", "graph_search", "third_party"}  # nothing moves on one rank: these start at 2
     for suite in suites - from_two:
         assert {ws for s, ws in seen if s == suite} == set(WORLD_SIZES), suite
@@ -80,6 +80,10 @@ def test_the_cases_the_issue_asks_for_are_measured(report):
     # issue 17: ghost traffic vs its minimum, MeshGraphNet step memory, neighbour-search pruning
     assert has("graph", 4, "ghost bytes / minimum") and has("graph", 4, "meshgraphnet step", "per-rank peak")
     assert has("graph_search", 4, "points exchanged / full ring")
+    # issue 30.3: the main thread's waits per step, overlapped against exchange then compute
+    for model in ("U-Net", "conv net"):
+        assert has("overlap", 2, model, "halo waits / step, overlapped / exchange then compute")
+    assert has("overlap", 4, "ring attention", "ring hops' waits / step, overlapped / exchange then compute")
     # issue 20: distributed and out-of-core mesh preparation
     assert has("mesh_prepare", 4, "per-rank peak memory") and has("mesh_prepare", 1, "out of core")
 

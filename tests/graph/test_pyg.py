@@ -84,7 +84,7 @@ def test_pyg_layer_matches_one_process(ctx, name):
 # --------------------------------------------------------------------------- #
 # layers that add self loops themselves (PyG's remove_self_loops + add_self_loops)
 # --------------------------------------------------------------------------- #
-LOOP_LAYERS = ["GATConv", "GATConv-edge_attr", "GATConv-edge_attr-fill", "PointNetConv"]
+LOOP_LAYERS = ["GATConv", "GATConv-edge_attr", "GATConv-edge_attr-fill", "PointNetConv", "GCNConv-edge_weight"]
 E_DIM = 2
 
 
@@ -98,6 +98,8 @@ def _loop_layer(name: str):
     if name == "GATConv-edge_attr-fill":  # loop attributes: a plain tensor expanded to (N, E_DIM), with a gradient
         fill = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
         return pyg.GATConv(F_IN, F_OUT, heads=2, edge_dim=E_DIM, concat=False, fill_value=fill)
+    if name == "GCNConv-edge_weight":  # add_remaining_self_loops: edge_weight[mask] joined before edge_index[:, mask]
+        return pyg.GCNConv(F_IN, F_OUT)
     local_nn = torch.nn.Sequential(torch.nn.Linear(F_IN + 3, 4), torch.nn.Tanh())
     return pyg.PointNetConv(local_nn, torch.nn.Linear(4, F_OUT))
 
@@ -107,6 +109,8 @@ def _call(layer, name, x, pos, edge_index, edge_attr):
         return layer(x, pos, edge_index)
     if name.startswith("GATConv-edge_attr"):
         return layer(x, edge_index, edge_attr)
+    if name == "GCNConv-edge_weight":
+        return layer(x, edge_index, edge_attr[:, 0] * edge_attr[:, 0] + 0.5)
     return layer(x, edge_index)
 
 
@@ -140,11 +144,13 @@ def test_pyg_self_loops_match_one_process(ctx, name):
         attr = g.edge_attr.requires_grad_()
         with count_collectives() as forward:
             out = _call(layer, name, x, pos, g.edge_index, attr)
-        # one all-gather of the kept edge counts (remove_self_loops' mask), then only ghost rows
-        assert set(forward.calls) == {"all_gather", "all_to_all"}, forward.summary()
-        masks = forward.calls["all_gather"]  # one per mask read: edge_index[:, mask], edge_attr[mask]
-        assert masks <= 2 * ctx.mesh.ndim, forward.summary()
-        assert forward.bytes_received["all_gather"] <= 8 * ctx.world_size * masks, forward.summary()
+        if name != "GCNConv-edge_weight":
+            # one all-gather of the kept edge counts per mask read (edge_index[:, mask], edge_attr[mask]), then only
+            # ghost rows. (GCNConv also writes the input's own self loops' weights into loop_attr: small all-gathers.)
+            assert set(forward.calls) == {"all_gather", "all_to_all"}, forward.summary()
+            masks = forward.calls["all_gather"]
+            assert masks <= 2 * ctx.mesh.ndim, forward.summary()
+            assert forward.bytes_received["all_gather"] <= 8 * ctx.world_size * masks, forward.summary()
         (out * case.shard_nodes(ctx.mesh, w_full)).sum().backward()
         torch.testing.assert_close(out.full_tensor(), ref, rtol=1e-10, atol=1e-10)
         got = [None if t.grad is None else t.grad.full_tensor() for t in (x, pos, attr)]

@@ -38,7 +38,7 @@ from ..rules import indexing
 from ..rules.indexing.functions import _default
 from ._aggregate import aggregate, eligible
 from ._graph import GraphIndex, graph_of
-from ._loops import edge_index_graph, edge_mask_of, join, masked_graph, tag_masked
+from ._loops import edge_index_graph, edge_mask_of, join, mark_mask, masked_graph, tag_masked
 from ._requests import RequestRead, gatherable, request_read, requestable
 from ._rows import GraphRows, graph_rows
 
@@ -115,6 +115,7 @@ def _masked(func, types, args, kwargs, generic):
         ref = derived.edge_index._spec
         if ref.placements != out._spec.placements or ref.dim_sizes != out._spec.dim_sizes:
             return out  # not laid out as a graph's edge list: the generic result stands
+        mark_mask(items[1], derived)
         return derived.edge_index
     if len(items) == 1 and isinstance(items[0], shard_tensor_cls()) and items[0].dtype == torch.bool:
         out = generic(func, types, args, kwargs)

@@ -11,7 +11,10 @@ the O(local) path of the graph it was given:
   all-gather of the per-rank counts), as the ``edge_index`` of a **derived
   graph** whose ghost plan is the original's (a ghost no edge reads any more
   is still fetched: never more than before). Any other tensor masked that way
-  (``edge_attr[mask]``) is tagged as edge rows of the masked layout.
+  (``edge_attr[mask]``) is tagged as edge rows of the masked layout (known from
+  the mask when ``edge_index[:, mask]`` ran first, as in ``remove_self_loops``;
+  else from the mask's layout matched against the graphs alive in the process,
+  as in ``add_remaining_self_loops``, which masks its weights first).
 * ``torch.cat([edge_index, loop_index], dim=1)`` with ``edge_index`` a graph's
   and ``loop_index`` every rank's same ``(2, N)`` tensor of rows
   ``arange(N)``: the edge list of the graph **with one loop per node, each
@@ -59,11 +62,13 @@ __all__ = [
     "masked_graph",
     "looped_graph",
     "tag_masked",
+    "mark_mask",
     "join",
     "Interleave",
 ]
 
 _ROWS = "_pdp_edge_rows"  # storage attribute: the EdgeRows of a masked edge tensor
+_MASK = "_pdp_mask_rows"  # storage attribute of a mask: the EdgeRows of the edge list it masked
 
 
 @dataclass(frozen=True)
@@ -138,48 +143,64 @@ def _edge_mask_graphs(mask) -> list:
     return [g for g in live_graphs() if edge_mask_of(mask, g) is not None]
 
 
+def _unambiguous(rows: EdgeRows) -> bool:
+    """A layout-only match counts when every live graph of that edge layout has the same nodes, and the edge
+    layout is not also the node layout (then a node tensor could not be told from an edge tensor)."""
+    if rows.edge_sizes == rows.node_sizes:
+        return False
+    same = {
+        g.node_sizes
+        for g in live_graphs()
+        if g.mesh == rows.mesh and g.mesh_dim == rows.mesh_dim and g.edge_sizes == rows.edge_sizes
+    }
+    return len(same) == 1
+
+
 def edge_rows(t, dim: int) -> EdgeRows | None:
-    """The edge layout ``t`` has along ``dim`` (a graph's edge tensor, or one masked from it), else None."""
+    """The edge layout ``t`` has along ``dim`` (a graph's edge tensor, or one masked from it), else None.
+
+    Known from ``t`` itself (``g.edge_attr`` carries its graph; a masked tensor carries its layout), else from
+    the layout alone, matched against the graphs alive in the process (:func:`._graph.live_graphs`).
+    """
     spec = t._spec
     tag = getattr(t._local_tensor.untyped_storage(), _ROWS, None)
-    candidates = [tag] if tag is not None else []
     graph = getattr(t, _ATTR, None)  # g.src / g.dst / g.edge_attr carry their graph
-    if isinstance(graph, ShardedGraph):
-        candidates.append(EdgeRows.of(graph))
-    candidates += [EdgeRows.of(g) for g in live_graphs()]
-    for rows in candidates:
+    strong = ([tag] if tag is not None else []) + ([EdgeRows.of(graph)] if isinstance(graph, ShardedGraph) else [])
+    weak = [EdgeRows.of(g) for g in live_graphs()]
+    for rows, known in [(r, True) for r in strong] + [(r, False) for r in weak]:
         if (
             rows.mesh == spec.mesh
             and _only_sharded(spec, rows.mesh_dim, dim)
             and spec.dim_sizes[dim] == rows.edge_sizes
         ):
-            if tag is not None or graph is not None:
-                return rows
-            # a layout match only: every live graph of that edge layout must agree on the nodes, and the
-            # layout must not also be a node layout (then a node tensor could not be told from an edge tensor)
-            if rows.edge_sizes == rows.node_sizes:
-                return None
-            same = {
-                r.node_sizes
-                for r in map(EdgeRows.of, live_graphs())
-                if r.mesh == spec.mesh and r.mesh_dim == rows.mesh_dim and r.edge_sizes == rows.edge_sizes
-            }
-            return rows if len(same) == 1 else None
+            return rows if known or _unambiguous(rows) else None
     return None
 
 
 def tag_masked(out, mask) -> None:
-    """Mark ``out`` (``t[mask]``, ``mask`` in a live graph's edge layout) as edge rows of the masked layout."""
-    graphs = _edge_mask_graphs(mask)
-    if not graphs or not isinstance(out, shard_tensor_cls()):
+    """Mark ``out`` (``t[mask]``) as edge rows of the masked layout when ``mask`` is in a graph's edge layout.
+
+    Known from the mask (``edge_index[:, mask]`` ran first and marked it), else from its layout alone.
+    """
+    if not isinstance(out, shard_tensor_cls()):
         return
-    if len({g.node_sizes for g in graphs}) != 1:
+    known = getattr(mask._local_tensor.untyped_storage(), _MASK, None)
+    spec = out._spec
+    if known is not None and _only_sharded(spec, known.mesh_dim, 0) and spec.dim_sizes[0] == known.edge_sizes:
+        setattr(out._local_tensor.untyped_storage(), _ROWS, known)
+        return
+    graphs = _edge_mask_graphs(mask)
+    if not graphs or not _unambiguous(EdgeRows.of(graphs[0])):
         return
     g = graphs[0]
-    spec = out._spec
     if spec.mesh == g.mesh and _only_sharded(spec, g.mesh_dim, 0):
         rows = EdgeRows(g.mesh, g.mesh_dim, tuple(spec.dim_sizes[0]), g.node_sizes)
         setattr(out._local_tensor.untyped_storage(), _ROWS, rows)
+
+
+def mark_mask(mask, derived: ShardedGraph) -> None:
+    """Remember on ``mask`` the edge layout it made (``edge_index[:, mask]``) for later ``t[mask]``."""
+    setattr(mask._local_tensor.untyped_storage(), _MASK, EdgeRows.of(derived))
 
 
 # --------------------------------------------------------------------------- #

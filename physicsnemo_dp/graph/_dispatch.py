@@ -15,6 +15,12 @@ the generic indexing rule or function, unchanged.
   ``gather(x, 0, idx)``, ``take_along_dim(x, idx, 0)`` with any other sharded
   integer index ShardTensor and ``x`` row-sharded over one mesh dim: by
   request (:mod:`._requests`), output laid out like ``idx``.
+* PyG's self loops (:mod:`._loops`): ``edge_index[:, mask]`` with a boolean mask in
+  the graph's edge layout returns a derived graph's edge list (``t[mask]`` is
+  marked as its edge rows); ``torch.cat`` / ``concat`` / ``concatenate`` of a
+  graph's ``edge_index`` with ``arange`` loops returns the looped graph's, and of
+  edge rows with ``N`` loop rows joins them in the looped graph's order. Every
+  other ``cat`` and mask read goes to the generic rules.
 * Writes ``index_add``, ``scatter_add``, ``scatter_reduce``, ``scatter`` (in place
   or not) with a ``dst`` index: local (:mod:`._aggregate`). ATen's backward
   formulas of these ops are reads and writes with the same index, so their
@@ -37,6 +43,7 @@ from ..rules import indexing
 from ..rules.indexing.functions import _default
 from ._aggregate import aggregate, eligible
 from ._graph import GraphIndex, graph_of
+from ._loops import edge_index_graph, edge_mask_of, join, mark_mask, masked_graph, tag_masked
 from ._requests import RequestRead, gatherable, request_read, requestable
 from ._rows import GraphRows, graph_rows
 from ._scatter import plain_write, request_scatter, scatterable
@@ -98,6 +105,31 @@ def _single_index(index):
 # --------------------------------------------------------------------------- #
 # function level (above autograd)
 # --------------------------------------------------------------------------- #
+def _masked(func, types, args, kwargs, generic):
+    """``edge_index[:, mask]`` as a derived graph's edge list, ``t[mask]`` tagged as edge rows; else None.
+
+    ``mask``: a 1-D boolean ShardTensor in a graph's edge layout (PyG's ``remove_self_loops``).
+    """
+    x, index = args
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) == 2 and isinstance(items[0], slice) and items[0] == slice(None):
+        graph = edge_index_graph(x)
+        if graph is None or edge_mask_of(items[1], graph) is None:
+            return None
+        out = generic(func, types, args, kwargs)
+        derived = masked_graph(graph, items[1]._local_tensor, out._spec.dim_sizes[1])
+        ref = derived.edge_index._spec
+        if ref.placements != out._spec.placements or ref.dim_sizes != out._spec.dim_sizes:
+            return out  # not laid out as a graph's edge list: the generic result stands
+        mark_mask(items[1], derived)
+        return derived.edge_index
+    if len(items) == 1 and isinstance(items[0], shard_tensor_cls()) and items[0].dtype == torch.bool:
+        out = generic(func, types, args, kwargs)
+        tag_masked(out, items[0])
+        return out
+    return None
+
+
 def _bound(func, args, kwargs, names):
     values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
     return values if len(values) == len(names) else None
@@ -108,6 +140,9 @@ def _functions():
 
     def getitem(func, types, args, kwargs):
         x, index = args
+        out = _masked(func, types, args, kwargs, generic[func])
+        if out is not None:
+            return out
         t = _single_index(index)
         gi = _readable(x, t) if t is not None else None
         if gi is None:
@@ -163,6 +198,14 @@ def _functions():
         handler.before_promotion = lambda func, types, args, kwargs: plain_write(kind, func, args, kwargs)
         return handler
 
+    def cat(func, types, args, kwargs):
+        a = dict(zip(("tensors", "dim"), args), **kwargs)
+        if set(a) <= {"tensors", "dim"} and "tensors" in a and isinstance(a["tensors"], (list, tuple)):
+            out = join(list(a["tensors"]), a.get("dim", 0))
+            if out is not None:
+                return out
+        return _default(func, args, kwargs)
+
     table = {
         torch.Tensor.index_add_: plain_target("index_add"),
         torch.Tensor.scatter_add_: plain_target("scatter_add"),
@@ -170,6 +213,7 @@ def _functions():
         torch.Tensor.index_put_: plain_target("index_put"),
     }
     for funcs, handler in (
+        ((torch.cat, torch.concat, torch.concatenate), cat),
         ((torch.nn.functional.embedding,), embedding),
         ((torch.Tensor.__getitem__,), getitem),
         ((torch.index_select, torch.Tensor.index_select), index_select),

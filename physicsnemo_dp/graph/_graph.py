@@ -40,9 +40,15 @@ from .. import _mesh_order
 from ..errors import PlacementError
 from ..rule_kit import shard_tensor_cls, wrap
 
-__all__ = ["ShardedGraph", "graph_of"]
+__all__ = ["ShardedGraph", "graph_of", "live_graphs"]
 
 _ATTR = "_pdp_sharded_graph"
+_LIVE: "weakref.WeakSet[ShardedGraph]" = weakref.WeakSet()  # every graph alive (edge layouts of masks and joins)
+
+
+def live_graphs() -> list:
+    """The graphs alive in this process (built or derived), in no particular order."""
+    return list(_LIVE)
 
 
 class ShardedGraph:
@@ -105,6 +111,7 @@ class ShardedGraph:
             if t is not None:
                 setattr(t, _ATTR, self)  # tensor attributes are collected with their cycles
         self._versions = self._index_versions()
+        _LIVE.add(self)
 
     def _index_versions(self) -> tuple:
         # In-place ops bump the version of the wrappers (and of their views taken above autograd);

@@ -37,6 +37,7 @@ from .. import collectives
 from .._torch_compat import traced
 from ..rule_kit import normalize_dim, shard_tensor_cls, to_layout, wrap
 from ..split import chunk_sizes
+from ._graph import graph_of
 from ._requests import plan_for
 
 __all__ = ["scatterable", "request_scatter", "plain_write"]
@@ -265,7 +266,8 @@ def plain_write(kind: str, func, args, kwargs):
     """An in-place write into a plain tensor by request, or ``NotImplemented`` (then promotion handles it).
 
     The result is the node-sharded ShardTensor (``torch.chunk`` rows of the
-    plain tensor's dim 0) and is what the call returns; the plain tensor itself
+    plain tensor's dim 0, or the graph's node rows for a graph's ``dst``
+    index) and is what the call returns; the plain tensor itself
     receives this rank's rows of the result in its own rows (no gradient
     flows through it; every other row keeps its value).
     """
@@ -305,10 +307,14 @@ def plain_write(kind: str, func, args, kwargs):
     md = _mesh_dim(whole, index)
     if md is None:
         return NotImplemented
-    # the write's target: this rank's torch.chunk rows of the plain tensor (a copy: the plain tensor changes below)
-    stand_in = wrap(*_target(whole, md, False))
-    if scatterable(kind, stand_in, dim, index, src) is None:
-        return NotImplemented
+    if graph_of(index) is not None:
+        # a graph's dst index: its aggregation cuts the replicated target to the graph's node rows (local)
+        stand_in = whole
+    else:
+        # the write's target: this rank's torch.chunk rows of the plain tensor (a copy: the plain tensor changes below)
+        stand_in = wrap(*_target(whole, md, False))
+        if scatterable(kind, stand_in, dim, index, src) is None:
+            return NotImplemented
     if kind == "index_add":
         result = torch.index_add(stand_in, dim, index, src, alpha=a.get("alpha", 1))
     elif kind == "scatter_add":

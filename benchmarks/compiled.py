@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from physicsnemo_dp._torch_compat import compile_counts
+from physicsnemo_dp.debug import compile_counts
 
 from . import _models, graph
 from ._record import Result, over_ranks

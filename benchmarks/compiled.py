@@ -188,17 +188,25 @@ def run(mesh, grid: int, width: int, tokens: int, dim: int, around: int, rings: 
         torch.manual_seed(0)
         net = build().to(_models.mesh_device(mesh))
         kinds = _STEPS if P == 1 else _STEPS[2:]  # at P > 1 the figures compare sharded steps with each other
-        steps, compile_seconds, counts = {}, {}, {}
+        steps, compile_seconds, counts, failure = {}, {}, {}, None
         for kind in kinds:
             eager, on = kind.split()
             args = plain if on == "plain" else sharded
             step = _trainer(copy.deepcopy(net), backend if eager == "compiled" else None, regional)
             before, start = compile_counts(), time.perf_counter()
-            step(args)
-            step(args)  # a second call: a graph whose guards fail on it is recompiled here, not while timed
+            try:
+                step(args)
+                step(args)  # a second call: a graph whose guards fail on it is recompiled here, not while timed
+            except Exception as error:  # a backend that cannot compile the model (the same on every rank)
+                failure = f"{kind}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                break
             compile_seconds[kind] = time.perf_counter() - start
             counts[kind] = {k: v - before[k] for k, v in compile_counts().items()}
             steps[kind] = repeated(lambda step=step, args=args: step(args), calls)
+        if over_ranks(failure is not None, "max"):
+            if mesh.get_rank() == 0:
+                print(f"compiled: {name} skipped, its step did not compile with {backend} ({failure})", flush=True)
+            continue
         before = compile_counts()
         best = fastest_by(steps, rounds, [time.process_time])
         recompiled = compile_counts()["graphs"] - before["graphs"]

@@ -30,7 +30,10 @@ from benchmarks._record import over_ranks
 from physicsnemo_dp import launch
 
 SUITES = ("comm_volume", "dispatch_overhead", "memory_scaling", "throughput_scaling", "io_throughput",
-          "scaling_curves", "graph", "graph_search", "third_party", "overlap", "mesh_prepare")
+          "scaling_curves", "graph", "graph_search", "third_party", "overlap", "compiled", "mesh_prepare")
+#: Left out of ``--tiny``'s default suites: ``compiled`` spends minutes compiling on every rank, however tiny the
+#: model (tests/benchmarks/test_compiled.py runs it at tiny sizes on its own). ``--suites compiled`` runs it.
+NOT_TINY = ("compiled",)
 
 
 def _rank_body(mesh, suites, scale: float, tiny: bool, compare_dtensor: bool):
@@ -91,13 +94,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="physicsnemo_dp benchmark suite")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks"), help="report folder")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
+    parser.add_argument("--suites", nargs="+", default=None, choices=SUITES,
+                        help=f"default: all ({', '.join(NOT_TINY)} not with --tiny)")
     parser.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per rank)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply problem sizes")
     parser.add_argument("--tiny", action="store_true", help="smallest sizes (for CI)")
     parser.add_argument("--compare-dtensor", action="store_true",
                         help="also measure DTensor on the cases it supports (even shards), side by side")
     args = parser.parse_args(argv)
+    if args.suites is None:
+        args.suites = [s for s in SUITES if not (args.tiny and s in NOT_TINY)]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     results, seconds = [], {}

@@ -98,6 +98,13 @@ def training_parser(doc: str, *, steps: int, batch_size: int, lr: float, out: st
                        help="mixed precision of the training step: forward and loss under torch.autocast on the "
                             "mesh's device in bfloat16 or float16 (float16 with a torch.amp.GradScaler); the weights, "
                             "gradients and optimizer state stay float32, the test evaluation runs in float32")
+    train.add_argument("--compile", nargs="?", const="inductor", default=None, choices=["inductor", "aot_eager"],
+                       help="torch.compile the model (a bare --compile: Inductor; aot_eager traces without generating "
+                            "code, for checking a model compiles): the library's Python runs only while tracing, "
+                            "so a step costs about what plain torch's compiled step costs; the first steps compile "
+                            "(tens of seconds to minutes on a CPU). A model with a compile_regions() method "
+                            "(ring attention) compiles its parts around the attention, which runs eagerly. "
+                            "See docs/performance.md")
     train.add_argument("--prefetch", type=_flags.integer(0), default=2, help="batches the datapipe reads ahead (0: read in the loop)")
     train.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                        help="a NaN/inf global loss: stop (every rank exits naming the step and the ranks whose data "
@@ -340,7 +347,7 @@ def _restore_position(pipe, saved: dict) -> None:
 #: a checkpoint taken with another value is refused, naming the difference.
 MAY_CHANGE_ON_RESUME = frozenset({
     "steps", "lr", "timeout", "prefetch", "on_nonfinite", "max_skips", "checkpoint_every", "quiet", "out",
-    "domain_size", "ddp_size", "strategy", "device", "amp",
+    "domain_size", "ddp_size", "strategy", "device", "amp", "compile",
 })
 _NOT_COMPARED = frozenset({"resume"})
 
@@ -1015,8 +1022,40 @@ def build_training(args: argparse.Namespace, context: MeshContext, make_model: C
     """
     torch.manual_seed(args.seed)
     model = parallelize_model(make_model().to(context.device), context)
+    if getattr(args, "compile", None):
+        compile_model(model, args.compile)
     optimizer = optimizer_class(model.parameters(), lr=args.lr)
     return model, optimizer, cosine_schedule(optimizer, args.steps)
+
+
+def compile_model(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """``--compile``: compile ``model`` in place (its ``state_dict`` and checkpoints keep their keys).
+
+    Under DDP the wrapped module is compiled (DDP's hooks stay outside the
+    graph; FSDP2 shards in place, so its model is the module itself). A model
+    with a ``compile_regions()`` method compiles its own parts: ring attention
+    (a sequence-sharded ``scaled_dot_product_attention``) runs eagerly, so a
+    transformer compiles the layers around it and calls the attention between them.
+    """
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if hasattr(inner, "compile_regions"):
+        inner.compile_regions(backend)
+    else:
+        compile_forward(inner, backend)
+
+
+def compile_forward(module: torch.nn.Module, backend: str = "inductor", fullgraph: bool = False) -> None:
+    """Compile ``module.forward`` in place: parameter names (``state_dict``) stay as they are.
+
+    Not ``module.compile()``: torch 2.13 compiles the module's ``_call_impl``
+    then, and tracing it from there Dynamo steps into ShardTensor's
+    ``__torch_function__`` and breaks the graph on every sharded input
+    (``torch.compile(module)``, which renames the parameters, does not).
+    ``dynamic=False``: modules of one class share ``forward``'s code, and a
+    second shape would otherwise make Dynamo retrace with symbolic sizes,
+    which a ShardTensor's layout (plain ints) cannot hold.
+    """
+    module.forward = torch.compile(module.forward, backend=backend, fullgraph=fullgraph, dynamic=False)
 
 
 def plain_replica(model: torch.nn.Module, make_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:

@@ -57,10 +57,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, width)
 
     def forward(self, x):
-        batch, tokens, width = x.shape
-        q, k, v = (t.reshape(batch, tokens, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v)  # (batch, heads, tokens, width / heads)
-        return self.proj(y.transpose(1, 2).reshape(batch, tokens, width))
+        return self.merge(F.scaled_dot_product_attention(*self.split(x)))  # y: (batch, heads, tokens, width / heads)
+
+    def split(self, x):
+        """Queries, keys and values, split into heads: (batch, heads, tokens, width / heads) each."""
+        batch, tokens, _ = x.shape
+        return tuple(t.reshape(batch, tokens, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+
+    def merge(self, y):
+        batch, heads, tokens, per_head = y.shape
+        return self.proj(y.transpose(1, 2).reshape(batch, tokens, heads * per_head))
 
 
 class Block(nn.Module):
@@ -73,7 +79,14 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
 
     def forward(self, x):
-        x = x + self.attention(self.norm1(x))
+        # the attention kernel between two token-wise parts (what --compile compiles, see compile_regions)
+        return self.after(x, F.scaled_dot_product_attention(*self.before(x)))
+
+    def before(self, x):
+        return self.attention.split(self.norm1(x))
+
+    def after(self, x, y):
+        x = x + self.attention.merge(y)
         return x + self.mlp(self.norm2(x))
 
 
@@ -93,11 +106,29 @@ class PointTransformer(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, 1)
 
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """``--compile``: each block's token-wise parts before and after its attention, the embedding and the
+        head; the attention kernel (ring attention on sharded points) runs eagerly between them.
+
+        The regions are this file's methods, compiled per instance (Dynamo compiles ``torch.nn`` layers
+        through one shared wrapper, whose recompilation limit a model's many layers would exhaust);
+        ``dynamic=False``: a ShardTensor's layout holds plain ints, not symbolic sizes.
+        """
+        for owner, names in [(self, ("embed_points", "predict")), *((block, ("before", "after")) for block in self.blocks)]:
+            for name in names:
+                setattr(owner, name, torch.compile(getattr(owner, name), backend=backend, fullgraph=True, dynamic=False))
+
+    def embed_points(self, x):
+        return self.embed(x)
+
+    def predict(self, x):
+        return self.head(self.norm(x)).squeeze(-1)
+
     def forward(self, x):
-        x = self.embed(x)
+        x = self.embed_points(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x)).squeeze(-1)
+        return self.predict(x)
 
 
 def features(batch) -> torch.Tensor:

@@ -48,6 +48,7 @@ __all__ = [
     "graph_break",
     "dynamo_frame_hook_active",
     "aot_cache_bypass",
+    "compile_counts",
     "pad_builtin",
     "assert_in_graph",
     "fused_cpu_attention",
@@ -565,6 +566,14 @@ def graph_break(reason: str) -> Exception:
     from torch._dynamo.exc import Unsupported
 
     return Unsupported(reason, gb_type="physicsnemo_dp eager-only op")
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's process-wide counts so far: ``graph_breaks`` (graph breaks met while tracing) and ``graphs``
+    (graphs compiled, recompilations included). Differences between two calls count one region of code."""
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
 
 
 def aot_cache_bypass(reason: str) -> Exception:

@@ -19,12 +19,16 @@
   function as ``physicsnemo_dp.implicit_gathers``; :func:`gather_policy` reads
   it; ``explain`` lists each :class:`ImplicitGather` of a step.
 * :class:`LiveBytes` — peak live tensor bytes, on CPU and on meta tensors.
+* :func:`compile_counts` — torch.compile's graph breaks and compiled graphs so
+  far in this process (differences between two calls: a region's breaks and
+  recompilations; ``benchmarks/compiled.py`` reports them per step).
 * :mod:`physicsnemo_dp.debug.viz` — pictures of layouts, halos and partitions
   (matplotlib).
 """
 
 from .._checking import checks, checks_enabled
 from .._gathers import ImplicitGather, gather_policy, implicit_gathers
+from .._torch_compat import compile_counts
 from ..collectives import CommCounter, count_collectives
 from ._explain import CollectiveCall, Explanation, OpRecord, explain
 from ._memory import LiveBytes, peak_bytes
@@ -49,4 +53,5 @@ __all__ = [
     "DataDependentError",
     "LiveBytes",
     "peak_bytes",
+    "compile_counts",
 ]

@@ -9,12 +9,14 @@ matrix of tests/compile and tests/examples/test_compile.py compile it.)
 
 import math
 
+import pytest
 import torch
 
 from benchmarks import compiled
 from tests._harness import distributed
 
 
+@pytest.mark.slow  # ~35 s: tests/examples/test_compile.py compiles the same regions (losses, no graph break)
 @distributed(world_sizes=(2,), mesh_2d=False, timeout=600)
 def test_compiled_steps_break_no_graph_and_do_not_recompile(ctx):
     torch.set_num_threads(1)

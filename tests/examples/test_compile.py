@@ -16,6 +16,8 @@ import torch
 import pointcloud_transformer
 import unet_darcy
 
+from physicsnemo_dp.debug import compile_counts
+
 from ._run import argv, context, on_layout
 
 # as in test_pointcloud_transformer / test_unet_darcy: uneven shards over 2 domain ranks
@@ -49,8 +51,10 @@ def _run(ctx, example: str, out: Path, compile_: bool) -> dict:
     module, options = EXAMPLES[example]
     flags = {**options, **({"--compile": "aot_eager"} if compile_ else {})}
     torch.compiler.reset()
+    before = compile_counts()
     try:
         result = module.run(argv(flags, out), context(ctx, "ddp"))
+        breaks = compile_counts()["graph_breaks"] - before["graph_breaks"]
     finally:
         torch.compiler.reset()
     model = result["model"]
@@ -61,7 +65,7 @@ def _run(ctx, example: str, out: Path, compile_: bool) -> dict:
         for attr in ("forward", "before", "after", "embed_points", "predict")
         if attr in vars(m)
     )
-    return {"losses": result["losses"], "test_loss": result["test_loss"], "compiled": compiled}
+    return {"losses": result["losses"], "test_loss": result["test_loss"], "compiled": compiled, "breaks": breaks}
 
 
 def train(ctx, example: str, out: str) -> dict:
@@ -80,6 +84,7 @@ def test_compiled_run_has_the_eager_losses(tmp_path, example):
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
     assert losses == pytest.approx(eager["losses"], rel=1e-4, abs=1e-6)
     assert compiled["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-4)
+    assert compiled["breaks"] == 0  # the compiled parts hold no graph break (ring attention runs between them)
     if example == "unet":
         assert compiled["compiled"] == ["<model>.forward"]
     else:  # regional: the parts around the attention, whose kernel (ring attention) runs eagerly between them

@@ -92,7 +92,7 @@ def to_layout(x, spec, *, implicit: bool = True) -> torch.Tensor:
 def resolve_partial(x, mesh_dims=None):
     """Local tensor and spec of ``x`` with pending reductions on ``mesh_dims`` done (all if None)."""
     placements = tuple(
-        Replicate() if isinstance(p, Partial) and (mesh_dims is None or m in mesh_dims) else p
+        Replicate() if issubclass(type(p), Partial) and (mesh_dims is None or m in mesh_dims) else p
         for m, p in enumerate(x._spec.placements)
     )
     if placements == x._spec.placements:
@@ -155,9 +155,9 @@ def unshard_target(spec, dims: tuple, keep_partial: bool = False):
     ndim = len(spec.global_shape)
     dims = {normalize_dim(d, ndim) for d in dims}
     placements = list(spec.placements)
-    used = {p.dim for p in placements if p.is_shard() and p.dim not in dims}
+    used = {p.dim for p in placements if issubclass(type(p), Shard) and p.dim not in dims}
     for m, p in enumerate(placements):
-        if p.is_shard() and p.dim in dims:
+        if issubclass(type(p), Shard) and p.dim in dims:
             free = [
                 e for e in range(ndim)
                 if e not in dims and e not in used and spec.global_shape[e] >= spec.mesh.size(m)
@@ -168,7 +168,7 @@ def unshard_target(spec, dims: tuple, keep_partial: bool = False):
                 used.add(e)
             else:
                 placements[m] = Replicate()
-        elif p.is_partial() and not keep_partial:
+        elif issubclass(type(p), Partial) and not keep_partial:
             placements[m] = Replicate()
     if tuple(placements) == spec.placements:
         return spec
@@ -189,7 +189,7 @@ def grad_like(result, spec):
     target = grad_layout(spec)
     src = result._spec
     placements = tuple(
-        rp if isinstance(p, Replicate) and isinstance(rp, Partial) and rp.reduce_op in ("sum", "avg") else tp
+        rp if issubclass(type(p), Replicate) and issubclass(type(rp), Partial) and rp.reduce_op in ("sum", "avg") else tp
         for p, tp, rp in zip(spec.placements, target.placements, src.placements)
     )
     if placements == src.placements and target.dim_sizes == src.dim_sizes:

@@ -139,7 +139,7 @@ class ShardedGraph:
         passes if it has ``num_nodes`` rows. Metadata only: every rank raises alike.
         """
         self._check_mesh(spec, name)
-        if allow_replicated and not spec.placements[self.mesh_dim].is_shard():
+        if allow_replicated and not issubclass(type(spec.placements[self.mesh_dim]), Shard):
             if spec.global_shape[0] != self.num_nodes:
                 raise PlacementError(
                     f"{name} has {spec.global_shape[0]} rows but the graph has {self.num_nodes} nodes; "
@@ -168,8 +168,8 @@ class ShardedGraph:
                 f"{name} must hold one row per edge of the graph its index comes from"
             )
         p = spec.placements[self.mesh_dim]
-        if (p.is_shard() and (p.dim != 0 or spec.dim_sizes[0] != self.edge_sizes)) or (
-                not p.is_shard() and not allow_replicated):
+        if (issubclass(type(p), Shard) and (p.dim != 0 or spec.dim_sizes[0] != self.edge_sizes)) or (
+                not issubclass(type(p), Shard) and not allow_replicated):
             raise PlacementError(
                 f"{name} is laid out as {spec.placements} with sizes {spec.dim_sizes}, but the graph's "
                 f"{self.num_edges} edges are sharded along dim 0 as {self.edge_sizes}: {name} belongs to "

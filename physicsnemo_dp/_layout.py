@@ -44,6 +44,14 @@ DimSizes = tuple  # tuple[tuple[int, ...] | None, ...]
 #: (tuple ``==`` tries ``is`` before ``__eq__``), and torch's placements compare and hash in C++ through
 #: pybind, ~1 us a call, which a hot path pays several times per op.
 _SHARDS: dict[int, Shard] = {}
+_REPLICATE = Replicate()
+
+
+def interned(p: Placement) -> Placement:
+    """The shared instance of ``Shard(d)`` / ``Replicate()`` that specs hold (``p`` itself for others)."""
+    if type(p) is Shard and p.dim >= 0:
+        return _shard(p.dim)
+    return _REPLICATE if type(p) is Replicate else p
 
 
 def _shard(d: int) -> Shard:
@@ -83,7 +91,7 @@ def normalize_placements(
                     f"placements[{mesh_dim}] = {p!r}: only Partial reduce ops "
                     "'sum', 'avg', 'max' and 'min' are supported"
                 )
-            out.append(p)
+            out.append(_REPLICATE if type(p) is Replicate else p)
         else:
             raise PlacementError(
                 f"placements[{mesh_dim}] = {p!r} is not supported by ShardTensor; "

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from . import _gathers
-from ._redistribute import redistribute_local
+from ._redistribute import grad_layout, redistribute_local
 from ._torch_compat import pytree
 
 _SHARD_TENSOR_CLS = None
@@ -184,8 +184,6 @@ def grad_like(result, spec):
     the value, e.g. once by the promotion step of a plain weight. A result
     already in that layout is returned as is, without building a spec.
     """
-    from ._redistribute import grad_layout
-
     target = grad_layout(spec)
     src = result._spec
     placements = tuple(
@@ -211,7 +209,6 @@ def plain_gradient(g: torch.Tensor, spec):
     zeros; nothing global is allocated). Any other shape is this rank's local
     gradient (a plain tensor assigned to ``.grad`` by hand).
     """
-    from ._redistribute import grad_layout
     from ._torch_compat import is_zero_tensor
 
     target = grad_layout(spec)

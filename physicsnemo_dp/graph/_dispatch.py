@@ -47,7 +47,7 @@ def _readable(x, index) -> GraphIndex | None:
     graph's mesh dim along dim 0 in another layout (a graph of another partition).
     """
     gi = graph_of(index)
-    if gi is None or not isinstance(x, shard_tensor_cls()) or x.ndim == 0:
+    if gi is None or not isinstance(x, shard_tensor_cls()) or not x._spec.global_shape:  # x.ndim: a torch-function trip
         return None
     graph, spec = gi.graph, x._spec
     p = spec.placements[graph.mesh_dim] if spec.mesh == graph.mesh else None

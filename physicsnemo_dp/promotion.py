@@ -190,14 +190,8 @@ def _summed(grads, specs) -> list:
 
 def _whole(grad, spec) -> torch.Tensor:
     """The local tensor of the ShardTensor ``grad`` moved to ``spec``'s layout (Replicate: the whole value)."""
-    src = grad._spec
-    if src.dim_sizes == spec.dim_sizes and all(
-        a is b or a == b or (issubclass(type(a), Partial) and issubclass(type(b), Replicate) and mesh.size(m) == 1)
-        for m, (a, b, mesh) in enumerate(zip(src.placements, spec.placements, (src.mesh,) * len(spec.placements)))
-    ):  # nothing to move: the same layout, or a pending sum over one rank (P = 1), which is the sum itself
-        return grad._local_tensor
     # a plain tensor's gradient is whole: not an implicit gather
-    return redistribute_local(grad._local_tensor, src, spec, implicit=False)
+    return redistribute_local(grad._local_tensor, grad._spec, spec, implicit=False)
 
 
 def _flat_specs(mesh, placements, numel: int, dtype) -> tuple:

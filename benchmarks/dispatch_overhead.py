@@ -85,9 +85,18 @@ OPS = {
 #: Simulated world sizes of the scaling case (one rank of each, in a fresh process).
 SCALING_WORLDS = (4, 4096)
 
+#: Per-op targets of ShardTensor even / DTensor where they differ from 1.0: ``x @ w`` with a plain weight
+#: (promoted on every call; DTensor's weight is distributed once and its ``mm`` is one C++ dispatch), issue 30.
+OP_TARGETS = {"x @ w": 1.25}
+
+#: MeshGraphNet at P = 1 (issue 30): nodes -> target of plain torch's step time / ShardTensor's (>=).
+MESHGRAPHNET_TARGETS = {1024: 0.8, 16384: 0.95}
+
 
 def sizes(tiny: bool, scale: float) -> dict:
-    return dict(rows=64, cols=32, calls=20, repeats=3) if tiny else dict(rows=64, cols=32, calls=200, repeats=15)
+    if tiny:
+        return dict(rows=64, cols=32, calls=20, repeats=3, graph_nodes=(64, 256))
+    return dict(rows=64, cols=32, calls=200, repeats=15, graph_nodes=tuple(MESHGRAPHNET_TARGETS))
 
 
 def _operands(mesh, rows: int, cols: int) -> dict[str, tuple]:
@@ -114,7 +123,7 @@ def _operands(mesh, rows: int, cols: int) -> dict[str, tuple]:
     }
 
 
-def run(mesh, rows: int, cols: int, calls: int, repeats: int, compare_dtensor: bool = False) -> list[Result]:
+def run(mesh, rows: int, cols: int, calls: int, repeats: int, graph_nodes=(), compare_dtensor: bool = False) -> list[Result]:
     P = mesh.size()
     operands = _operands(mesh, rows, cols)
     results = []
@@ -124,16 +133,60 @@ def run(mesh, rows: int, cols: int, calls: int, repeats: int, compare_dtensor: b
         t = {kind: over_ranks(seconds / calls) / P for kind, seconds in best.items()}
         results += [
             Result(SUITE, f"{name}: ShardTensor even / DTensor", P, t["ShardTensor even"], t["DTensor"], "s",
-                   ("<=", 1.0)),
+                   ("<=", OP_TARGETS.get(name, 1.0))),
             Result(SUITE, f"{name}: ShardTensor uneven / DTensor even", P, t["ShardTensor uneven"], t["DTensor"], "s",
                    ("<=", 1.0)),
             Result(SUITE, f"{name}: DTensor / plain torch", P, t["DTensor"], t["plain"], "s"),
             Result(SUITE, f"{name}: ShardTensor even / plain torch", P, t["ShardTensor even"], t["plain"], "s"),
         ]  # fmt: skip
+    if P == 1:  # a whole model's step at P = 1, where nothing moves: the fixed cost of the eager path
+        results += meshgraphnet_results(mesh, graph_nodes)
     # The growth with P and the floor of a Python subclass do not depend on the run's world size: measured
     # once, in the run at P = 2.
     if P == 2:
         results += _scaling_results(P, rows, cols, calls, repeats) + _floor_results(mesh, rows, cols, calls, repeats)
+    return results
+
+
+def meshgraphnet_results(mesh, nodes=tuple(MESHGRAPHNET_TARGETS), repetitions: int = 3) -> list[Result]:
+    """MeshGraphNet training step at P = 1: plain torch's step time / ShardTensor's (target >= 0.8 / 0.95).
+
+    The model and graph of ``scaling_curves`` (``examples/graph_models.MeshGraphNet``, width 16, 4 processor
+    layers, plate-with-hole mesh in Hilbert order, gradients in buckets), at 1,024 and 16,384 nodes (``--tiny``:
+    64 and 256, no target: the targets are for those two sizes). One repetition times plain and sharded steps interleaved (thread CPU time, one
+    intra-op thread, fastest of ``k`` steps each); the figure is the repetition with the median ratio of
+    ``repetitions`` (the spread is printed), since a target met on one run and missed on the next is not met.
+    """
+    from physicsnemo_dp import bucket_gradients
+    from physicsnemo_dp.promotion import clear_gradient_buckets
+
+    from . import graph
+    from .scaling_curves import _plate_shape
+
+    net = graph.model(16, 4, mesh_device(mesh))
+    bucket_gradients(net)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for n in nodes:
+            plain, sharded, _ = graph.inputs(mesh, *_plate_shape(n))
+            steps = max(3, 30 * 1024 // n)
+            runs = {"plain": lambda a=plain: graph.step(net, a), "sharded": lambda a=sharded: graph.step(net, a)}
+            reps = []
+            for _ in range(repetitions):
+                best = fastest(runs, steps, barrier=False, clock=time.thread_time)
+                reps.append((best["plain"] / best["sharded"], best["plain"], best["sharded"]))
+            reps.sort()
+            ratio, t_plain, t_sharded = reps[len(reps) // 2]
+            print(f"[dispatch_overhead] meshgraphnet P=1, {n} nodes: plain / ShardTensor median {ratio:.3f} "
+                  f"(spread {reps[0][0]:.3f}-{reps[-1][0]:.3f} over {repetitions} repetitions)", flush=True)  # fmt: skip
+            target = (">=", MESHGRAPHNET_TARGETS[n]) if n in MESHGRAPHNET_TARGETS else None
+            results.append(Result(SUITE, f"meshgraphnet step, {n} nodes: plain torch / ShardTensor (P = 1)",
+                                  mesh.size(), t_plain, t_sharded, "s", target))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+        clear_gradient_buckets()
     return results
 
 

@@ -83,7 +83,7 @@ def _encode_placements(placements, mesh_ndim: int) -> list[int]:
         p = placements[i] if i < len(placements) else None
         if type(p) is Shard and isinstance(p.dim, int):
             out += [_SHARD, p.dim]
-        elif isinstance(p, Replicate):
+        elif issubclass(type(p), Replicate):
             out += [_REPLICATE, 0]
         elif type(p) is Partial:
             out += [_PARTIAL, _REDUCE_OPS.index(p.reduce_op) if p.reduce_op in _REDUCE_OPS else -1]

@@ -33,6 +33,8 @@ same error before any data moves.
 
 from __future__ import annotations
 
+from torch.distributed.tensor.placement_types import Partial, Shard
+
 import contextlib
 import os
 import sys
@@ -345,4 +347,4 @@ def box_bytes(placements, dim_sizes, global_shape, itemsize: int) -> int:
 
 
 def describe_layout(placements) -> str:
-    return "".join(f"S({p.dim})" if p.is_shard() else ("P" if p.is_partial() else "R") for p in placements)
+    return "".join(f"S({p.dim})" if issubclass(type(p), Shard) else ("P" if issubclass(type(p), Partial) else "R") for p in placements)

@@ -40,6 +40,27 @@ DimSizes = tuple  # tuple[tuple[int, ...] | None, ...]
 # --------------------------------------------------------------------------- #
 # Placements
 # --------------------------------------------------------------------------- #
+#: One ``Shard(d)`` object per dim: specs built from these compare their placements by identity first
+#: (tuple ``==`` tries ``is`` before ``__eq__``), and torch's placements compare and hash in C++ through
+#: pybind, ~1 us a call, which a hot path pays several times per op.
+_SHARDS: dict[int, Shard] = {}
+_REPLICATE = Replicate()
+
+
+def interned(p: Placement) -> Placement:
+    """The shared instance of ``Shard(d)`` / ``Replicate()`` that specs hold (``p`` itself for others)."""
+    if type(p) is Shard and p.dim >= 0:
+        return _shard(p.dim)
+    return _REPLICATE if type(p) is Replicate else p
+
+
+def _shard(d: int) -> Shard:
+    s = _SHARDS.get(d)
+    if s is None:
+        s = _SHARDS[d] = Shard(d)
+    return s
+
+
 def normalize_placements(
     placements: Sequence[Placement], mesh_ndim: int, tensor_ndim: int
 ) -> tuple[Placement, ...]:
@@ -63,14 +84,14 @@ def normalize_placements(
                     f"placements[{mesh_dim}] = Shard({p.dim}) is out of range for a "
                     f"{tensor_ndim}-d tensor; use a dim in [-{tensor_ndim}, {tensor_ndim - 1}]"
                 )
-            out.append(Shard(d))
-        elif isinstance(p, Replicate) or type(p) is Partial:
+            out.append(_shard(d))
+        elif issubclass(type(p), Replicate) or type(p) is Partial:
             if type(p) is Partial and p.reduce_op not in ("sum", "avg", "max", "min"):
                 raise PlacementError(
                     f"placements[{mesh_dim}] = {p!r}: only Partial reduce ops "
                     "'sum', 'avg', 'max' and 'min' are supported"
                 )
-            out.append(p)
+            out.append(_REPLICATE if type(p) is Replicate else p)
         else:
             raise PlacementError(
                 f"placements[{mesh_dim}] = {p!r} is not supported by ShardTensor; "
@@ -81,11 +102,11 @@ def normalize_placements(
 
 def sharding_mesh_dims(placements: Sequence[Placement], tensor_dim: int) -> tuple[int, ...]:
     """Mesh dims that shard ``tensor_dim``, in the order they split it."""
-    return tuple(m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == tensor_dim)
+    return tuple(m for m, p in enumerate(placements) if issubclass(type(p), Shard) and p.dim == tensor_dim)
 
 
 def is_sharded(placements: Sequence[Placement]) -> bool:
-    return any(isinstance(p, Shard) for p in placements)
+    return any(issubclass(type(p), Shard) for p in placements)
 
 
 # --------------------------------------------------------------------------- #

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from . import _agreement, _gathers, _layout, collectives
 from ._plan import Layout, Step, default_dst_sizes, plan
@@ -218,7 +218,7 @@ def _split_factor(layout: Layout, mesh_shape: tuple) -> int:
     """Over how many ranks a layout splits the data (the product of the mesh dims that shard it)."""
     n = 1
     for m, p in enumerate(layout.placements):
-        if p.is_shard():
+        if issubclass(type(p), Shard):
             n *= mesh_shape[m]
     return n
 
@@ -231,9 +231,9 @@ def grad_of_contribution(local: torch.Tensor, spec) -> torch.Tensor:
     gradient only where they win, which a layout cannot express: refused.
     """
     for m, p in enumerate(spec.placements):
-        if isinstance(p, Partial) and p.reduce_op == "avg":
+        if issubclass(type(p), Partial) and p.reduce_op == "avg":
             local = local / spec.mesh.size(m)
-        elif isinstance(p, Partial) and p.reduce_op in ("max", "min"):
+        elif issubclass(type(p), Partial) and p.reduce_op in ("max", "min"):
             raise NotImplementedError(
                 f"no gradient through a Partial({p.reduce_op!r}) tensor; redistribute it to "
                 "Replicate() before the differentiable computation"
@@ -251,5 +251,5 @@ def grad_layout(spec):
     """
     if not spec.has_partial:
         return spec
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements)
     return spec.with_layout(placements, spec.dim_sizes)

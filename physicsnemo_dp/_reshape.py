@@ -119,7 +119,7 @@ def output_layout(in_shape, out_shape, placements, dim_sizes):
     """
     placements = tuple(placements)
     if prod(in_shape) == 0:
-        return tuple(Replicate() if p.is_shard() else p for p in placements), (None,) * len(out_shape)
+        return tuple(Replicate() if issubclass(type(p), Shard) else p for p in placements), (None,) * len(out_shape)
     if _blocked_dims(in_shape, out_shape, placements, dim_sizes):
         return None
     tables: list = [None] * len(out_shape)
@@ -129,7 +129,7 @@ def output_layout(in_shape, out_shape, placements, dim_sizes):
             ratio_in, ratio_out = _inner(in_shape, ins), _inner(out_shape, outs)
             tables[outs[0]] = tuple(s * ratio_in // ratio_out for s in dim_sizes[ins[0]])
             target[ins[0]] = outs[0]
-    out = tuple(Shard(target[p.dim]) if p.is_shard() else p for p in placements)
+    out = tuple(Shard(target[p.dim]) if issubclass(type(p), Shard) else p for p in placements)
     return out, tuple(tables)
 
 
@@ -175,7 +175,7 @@ def compatible_layout(in_shape, out_shape, placements, dim_sizes, mesh_shape):
     heads = {ins[0]: (ins, outs) for ins, outs in view_groups(in_shape, out_shape) if ins and outs}
     for d in _blocked_dims(in_shape, out_shape, placements, dim_sizes):
         mesh_dims = _layout.sharding_mesh_dims(placements, d)
-        busy = {p.dim for p in placements if p.is_shard()} - {d}
+        busy = {p.dim for p in placements if issubclass(type(p), Shard)} - {d}
         units = {e: in_shape[e] // _unit(in_shape, out_shape, g) for e, g in heads.items() if e not in busy}
         shards = prod(mesh_shape[m] for m in mesh_dims)
         # The dim's own head whenever it has a whole unit: a split such as Swin's H -> (H // ws, ws) then only

@@ -171,13 +171,13 @@ def _summed(grads, specs) -> list:
     for i, g in enumerate(grads):
         if not isinstance(g, ShardTensor):
             continue  # no gradient, or a plain one (already whole)
-        if all(isinstance(p, (Partial, Replicate)) for p in g._spec.placements) and g._spec.placements != specs[i].placements:
+        if all(issubclass(type(p), (Partial, Replicate)) for p in g._spec.placements) and g._spec.placements != specs[i].placements:
             pools.setdefault((g._spec.placements, g._local_tensor.dtype), []).append(i)
         else:
             out[i] = _whole(g, specs[i])
     for (placements, dtype), members in pools.items():
         mesh = specs[members[0]].mesh
-        if len(members) == 1 or all(mesh.size(m) == 1 for m, p in enumerate(placements) if isinstance(p, Partial)):
+        if len(members) == 1 or all(mesh.size(m) == 1 for m, p in enumerate(placements) if issubclass(type(p), Partial)):
             for i in members:  # one tensor, or one rank (nothing is summed): no buffer to pack
                 out[i] = _whole(grads[i], specs[i])
             continue
@@ -503,7 +503,18 @@ def _top_level(func, args, kwargs, ShardTensor):
                 return None
             if a.ndim > 0 or a.requires_grad:
                 plain += 1
-        elif isinstance(a, (list, tuple, dict)):
+        elif isinstance(a, (list, tuple)):
+            # A shape or a dim list (no tensors), or torch.cat's operands all ShardTensors: nothing inside to
+            # promote, so no pytree walk. Anything else in a sequence takes the general path.
+            for v in a:
+                if type(v) is ShardTensor:
+                    if mesh is None:
+                        mesh = v._spec.mesh
+                    elif v._spec.mesh is not mesh:
+                        return None
+                elif isinstance(v, (torch.Tensor, list, tuple, dict)):
+                    return None
+        elif isinstance(a, dict):
             return None
     if not plain:
         return args, kwargs

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from . import _gathers
-from ._redistribute import redistribute_local
+from ._redistribute import grad_layout, redistribute_local
 from ._torch_compat import pytree
 
 _SHARD_TENSOR_CLS = None
@@ -92,7 +92,7 @@ def to_layout(x, spec, *, implicit: bool = True) -> torch.Tensor:
 def resolve_partial(x, mesh_dims=None):
     """Local tensor and spec of ``x`` with pending reductions on ``mesh_dims`` done (all if None)."""
     placements = tuple(
-        Replicate() if isinstance(p, Partial) and (mesh_dims is None or m in mesh_dims) else p
+        Replicate() if issubclass(type(p), Partial) and (mesh_dims is None or m in mesh_dims) else p
         for m, p in enumerate(x._spec.placements)
     )
     if placements == x._spec.placements:
@@ -155,9 +155,9 @@ def unshard_target(spec, dims: tuple, keep_partial: bool = False):
     ndim = len(spec.global_shape)
     dims = {normalize_dim(d, ndim) for d in dims}
     placements = list(spec.placements)
-    used = {p.dim for p in placements if p.is_shard() and p.dim not in dims}
+    used = {p.dim for p in placements if issubclass(type(p), Shard) and p.dim not in dims}
     for m, p in enumerate(placements):
-        if p.is_shard() and p.dim in dims:
+        if issubclass(type(p), Shard) and p.dim in dims:
             free = [
                 e for e in range(ndim)
                 if e not in dims and e not in used and spec.global_shape[e] >= spec.mesh.size(m)
@@ -168,7 +168,7 @@ def unshard_target(spec, dims: tuple, keep_partial: bool = False):
                 used.add(e)
             else:
                 placements[m] = Replicate()
-        elif p.is_partial() and not keep_partial:
+        elif issubclass(type(p), Partial) and not keep_partial:
             placements[m] = Replicate()
     if tuple(placements) == spec.placements:
         return spec
@@ -184,12 +184,10 @@ def grad_like(result, spec):
     the value, e.g. once by the promotion step of a plain weight. A result
     already in that layout is returned as is, without building a spec.
     """
-    from ._redistribute import grad_layout
-
     target = grad_layout(spec)
     src = result._spec
     placements = tuple(
-        rp if isinstance(p, Replicate) and isinstance(rp, Partial) and rp.reduce_op in ("sum", "avg") else tp
+        rp if issubclass(type(p), Replicate) and issubclass(type(rp), Partial) and rp.reduce_op in ("sum", "avg") else tp
         for p, tp, rp in zip(spec.placements, target.placements, src.placements)
     )
     if placements == src.placements and target.dim_sizes == src.dim_sizes:
@@ -211,7 +209,6 @@ def plain_gradient(g: torch.Tensor, spec):
     zeros; nothing global is allocated). Any other shape is this rank's local
     gradient (a plain tensor assigned to ``.grad`` by hand).
     """
-    from ._redistribute import grad_layout
     from ._torch_compat import is_zero_tensor
 
     target = grad_layout(spec)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from . import _agreement, _layout, collectives
 from ._plan import marginal
@@ -55,11 +55,11 @@ def _scatter_stage(block, spec: ShardTensorSpec, coord, m: int, src_m: int) -> t
     holder = coord[m] == src_m
     if group == 1:
         return block
-    if placement.is_replicate() or (placement.is_partial() and placement.reduce_op != "sum"):
+    if issubclass(type(placement), Replicate) or (issubclass(type(placement), Partial) and placement.reduce_op != "sum"):
         shape = _subtree_shape(spec, coord, m)
         buf = block if holder else torch.empty(shape, dtype=spec.tensor_meta.dtype, device=collectives.mesh_device(mesh))
         return collectives.broadcast(buf, src_m, mesh, m)
-    if placement.is_partial():  # pending sum: the source keeps the value, others contribute zero
+    if issubclass(type(placement), Partial):  # pending sum: the source keeps the value, others contribute zero
         return block if holder else torch.zeros(_subtree_shape(spec, coord, m), dtype=spec.tensor_meta.dtype, device=collectives.mesh_device(mesh))
     d = placement.dim
     member_shapes = []

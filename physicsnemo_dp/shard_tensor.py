@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from . import _agreement, _gathers, _layout, _stall, promotion
 from ._conversion import Contiguous, FromLocal, Redistribute, ToLocal
@@ -379,7 +379,7 @@ class ShardTensor(torch.Tensor):
         # A pending sum where this tensor is replicated is a valid, cheaper form of
         # the same gradient (e.g. declared with to_local(grad_placements=[Partial()])).
         kept = tuple(
-            gp if mine.is_replicate() and gp.is_partial() else tp
+            gp if issubclass(type(mine), Replicate) and issubclass(type(gp), Partial) else tp
             for mine, gp, tp in zip(self._spec.placements, g._spec.placements, target.placements)
         )
         target = target.with_layout(kept, target.dim_sizes)
@@ -398,8 +398,8 @@ class ShardTensor(torch.Tensor):
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         """Backpropagate from this tensor, reducing pending Partial data first."""
         start = self
-        if any(p.is_partial() for p in self._spec.placements):
-            resolved = tuple(Replicate() if p.is_partial() else p for p in self._spec.placements)
+        if any(issubclass(type(p), Partial) for p in self._spec.placements):
+            resolved = tuple(Replicate() if issubclass(type(p), Partial) else p for p in self._spec.placements)
             start = self.redistribute(placements=resolved)
         torch.autograd.backward(
             start, gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs

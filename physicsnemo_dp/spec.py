@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 from . import _layout
 from ._meshes import canonical
@@ -148,7 +148,7 @@ class ShardTensorSpec(DTensorSpec):
     @cached_property
     def has_partial(self) -> bool:
         """Whether a mesh dim holds a pending reduction (cached: the dispatch fast path asks on every op)."""
-        return any(p.is_partial() for p in self.placements)
+        return any(issubclass(type(p), Partial) for p in self.placements)
 
     def local_shape_at(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Local shape of the rank at mesh coordinate ``coord``."""
@@ -185,7 +185,7 @@ class ShardTensorSpec(DTensorSpec):
 
         def one(m: int) -> int:
             p = self.placements[m]
-            return offs[p.dim] if p.is_shard() else 0
+            return offs[p.dim] if issubclass(type(p), Shard) else 0
 
         if mesh_dim is not None:
             return one(mesh_dim)
@@ -207,7 +207,7 @@ class ShardTensorSpec(DTensorSpec):
 
         if mesh_dim is not None:
             return along(mesh_dim)
-        return {m: along(m) for m, p in enumerate(self.placements) if p.is_shard()}
+        return {m: along(m) for m, p in enumerate(self.placements) if issubclass(type(p), Shard)}
 
     @property
     def _sharding_shapes(self):

@@ -78,7 +78,7 @@ def _query_layout(q, k, v, seq_m, groups: int):
     for m, p in enumerate(q.placements):
         if m == seq_m:
             placements.append(p if p == Shard(seq) else Replicate())
-        elif p.is_shard() and p.dim < seq and _followable(q, (k, v), p.dim, groups):
+        elif issubclass(type(p), Shard) and p.dim < seq and _followable(q, (k, v), p.dim, groups):
             placements.append(p)
         else:
             placements.append(Replicate())
@@ -149,7 +149,7 @@ def _mask_layout(mask, q, k, kind: str, seq_m):
 def _grad_spec(spec, out_placements):
     """Gradient layout of an input: Partial where the output is split but the input is not."""
     placements = [
-        Partial() if isinstance(p, Replicate) and not isinstance(o, Replicate) else p
+        Partial() if issubclass(type(p), Replicate) and not issubclass(type(o), Replicate) else p
         for p, o in zip(spec.placements, out_placements)
     ]
     return spec.with_layout(placements, spec.dim_sizes)

@@ -290,7 +290,7 @@ def _schedule_steps(layout: AttentionLayout, sched: Schedule, shapes) -> tuple[t
 def _resolved(spec):
     if spec is None or not spec.has_partial:
         return spec
-    return spec.with_layout(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.dim_sizes)
+    return spec.with_layout(tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements), spec.dim_sizes)
 
 
 def _target(spec, canonical):

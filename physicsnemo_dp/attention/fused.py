@@ -52,7 +52,7 @@ from functools import lru_cache, partial
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .._redistribute import grad_layout, redistribute_local
 from ..propagation import OpPlan, cached, freeze, redistribution_steps
@@ -115,7 +115,7 @@ def _canonical(tensors, specs):
 def _lse_spec(layout):
     """The log-sum-exp rows ``(*B, H, L)``: split like the output's rows, in the computation dtype."""
     out = layout.out
-    placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in out.placements)
     dtype = compute_dtype(layout.q.tensor_meta.dtype)
     return type(out).from_sizes(out.mesh, placements, out.global_shape[:-1], dtype, out.dim_sizes[:-1])
 
@@ -129,7 +129,7 @@ def _stored_spec(rows: ShardTensorSpec, fmt: _Lse) -> ShardTensorSpec:
     table = rows.dim_sizes[-1]
     if table is not None:
         table = (*table[:-1], table[-1] + count - n) if count else (0,) * len(table)
-    placements = tuple(Shard(p.dim + fmt.lead) if p.is_shard() else p for p in rows.placements)
+    placements = tuple(Shard(p.dim + fmt.lead) if issubclass(type(p), Shard) else p for p in rows.placements)
     return type(rows).from_sizes(
         rows.mesh,
         placements,

@@ -161,7 +161,7 @@ def _sharded_along(x, dim: int, mesh_dim: int):
         )
     if placements[mesh_dim] == Shard(dim):
         return x
-    if not isinstance(placements[mesh_dim], Replicate):
+    if not issubclass(type(placements[mesh_dim]), Replicate):
         raise PlacementError(
             f"mesh dim {mesh_dim} holds {placements[mesh_dim]!r}; zig-zag reordering needs it to shard "
             f"dim {dim} or replicate the tensor"

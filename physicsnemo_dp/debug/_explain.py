@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 from .. import _gathers, collectives
 from .._gathers import ImplicitGather, format_bytes
@@ -223,9 +224,9 @@ def describe(t) -> str:
 
 
 def _placement(p) -> str:
-    if p.is_shard():
+    if issubclass(type(p), Shard):
         return f"S({p.dim})"
-    if p.is_partial():
+    if issubclass(type(p), Partial):
         return "P"
     return "R"
 

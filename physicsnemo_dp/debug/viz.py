@@ -14,6 +14,8 @@ takes that summary.
 
 from __future__ import annotations
 
+from torch.distributed.tensor.placement_types import Partial
+
 import bisect
 from typing import Sequence
 
@@ -41,7 +43,7 @@ def rank_boxes(spec_or_tensor) -> list[dict]:
     """
     spec = getattr(spec_or_tensor, "_spec", spec_or_tensor)
     ranks = spec.mesh.mesh.flatten().tolist()
-    partial = any(p.is_partial() for p in spec.placements)
+    partial = any(issubclass(type(p), Partial) for p in spec.placements)
     return [
         {
             "coord": tuple(coord),

@@ -45,7 +45,7 @@ from contextvars import ContextVar
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .. import _gathers
 from .._redistribute import redistribute_local
@@ -155,7 +155,7 @@ def run_gathered(func, args, kwargs):
         if id(o) in whole_specs:
             continue
         whole_specs[id(o)] = spec.with_layout((Replicate(),) * mesh.ndim, (None,) * len(spec.global_shape))
-        if any(p.is_shard() for p in spec.placements):
+        if any(issubclass(type(p), Shard) for p in spec.placements):
             n = spec.tensor_meta.dtype.itemsize
             for s in spec.global_shape:
                 n *= s
@@ -193,7 +193,7 @@ def run_gathered(func, args, kwargs):
                 mesh, (Replicate(),) * mesh.ndim, tuple(t.shape), t.dtype, (None,) * t.ndim
             )
             return wrap(t, spec)
-        placements = tuple(Replicate() if p.is_partial() else p for p in like.placements)
+        placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in like.placements)
         spec = like.with_layout(placements, like.dim_sizes)
         local = replicated_to_box(t, spec)
         if local.numel() != t.numel():  # do not keep the whole result alive behind this rank's box

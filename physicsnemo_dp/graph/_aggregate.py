@@ -21,6 +21,7 @@ Layouts accepted (anything else goes to the generic indexing rules):
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..rule_kit import normalize_dim, resolve_partial, shard_tensor_cls, wrap
 from ._graph import GraphIndex, graph_of
@@ -29,7 +30,7 @@ __all__ = ["aggregate"]
 
 
 def _other_dims_replicated(spec, graph) -> bool:
-    return all(p.is_replicate() or p.is_partial() for m, p in enumerate(spec.placements) if m != graph.mesh_dim)
+    return all(issubclass(type(p), Replicate) or issubclass(type(p), Partial) for m, p in enumerate(spec.placements) if m != graph.mesh_dim)
 
 
 def _rows_of(local: torch.Tensor, spec, graph, node_rows: bool, name: str):
@@ -40,7 +41,7 @@ def _rows_of(local: torch.Tensor, spec, graph, node_rows: bool, name: str):
     """
     check = graph.check_nodes if node_rows else graph.check_edges
     check(spec, name, allow_replicated=True)
-    if spec.placements[graph.mesh_dim].is_shard():
+    if issubclass(type(spec.placements[graph.mesh_dim]), Shard):
         return local
     if node_rows:
         return local.narrow(0, graph.node_offset, graph.num_local_nodes)

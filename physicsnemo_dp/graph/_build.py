@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .. import _mesh_order, collectives
 from ..errors import PlacementError
@@ -37,8 +38,8 @@ _HEAD = 5  # status, two detail ints, edge_attr signature, number of edges; then
 
 def node_mesh_dim(spec, name: str = "nodes") -> int:
     """The mesh dim that shards dim 0 of ``spec`` (exactly one must; metadata only, so all ranks agree)."""
-    dims = [m for m, p in enumerate(spec.placements) if p.is_shard() and p.dim == 0]
-    others = [m for m, p in enumerate(spec.placements) if not p.is_replicate() and m not in dims]
+    dims = [m for m, p in enumerate(spec.placements) if issubclass(type(p), Shard) and p.dim == 0]
+    others = [m for m, p in enumerate(spec.placements) if not issubclass(type(p), Replicate) and m not in dims]
     if len(dims) != 1 or others:
         raise PlacementError(
             f"{name} must be node-sharded: dim 0 sharded over one mesh dim, every other mesh dim Replicate; "

@@ -35,7 +35,7 @@ the generic indexing rule or function, unchanged.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from ..errors import PlacementError
 from ..rule_kit import bind_args, normalize_dim, shard_tensor_cls, wrap
@@ -60,15 +60,15 @@ def _readable(x, index) -> GraphIndex | None:
     graph's mesh dim along dim 0 in another layout (a graph of another partition).
     """
     gi = graph_of(index)
-    if gi is None or not isinstance(x, shard_tensor_cls()) or x.ndim == 0:
+    if gi is None or not isinstance(x, shard_tensor_cls()) or not x._spec.global_shape:  # x.ndim: a torch-function trip
         return None
     graph, spec = gi.graph, x._spec
     p = spec.placements[graph.mesh_dim] if spec.mesh == graph.mesh else None
     if p is None or p == Shard(0):
         graph.check_nodes(spec, "x (the indexed tensor)")
-    elif not p.is_shard() or p.dim != 0:
+    elif not issubclass(type(p), Shard) or p.dim != 0:
         return None
-    if any(not q.is_replicate() for m, q in enumerate(spec.placements) if m != graph.mesh_dim):
+    if any(not issubclass(type(q), Replicate) for m, q in enumerate(spec.placements) if m != graph.mesh_dim):
         return None
     return gi
 

@@ -36,7 +36,8 @@ import weakref
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .. import _mesh_order
+from .. import _layout, _mesh_order
+from .._torch_compat import torch_function_disabled
 from ..errors import PlacementError
 from ..rule_kit import shard_tensor_cls, wrap
 
@@ -116,11 +117,21 @@ class ShardedGraph:
     def _index_versions(self) -> tuple:
         # In-place ops bump the version of the wrappers (and of their views taken above autograd);
         # the rules' local writes below autograd do not bump the buffer's.
-        return tuple(t._version for t in (self.src, self.dst, self.edge_index))
+        # Read with subclass torch-function off: on a ShardTensor each ``_version`` read is a trip through
+        # __torch_function__ (~2-10 us), and every graph gather and scatter checks three of them.
+        with torch_function_disabled():
+            return tuple(t._version for t in (self.src, self.dst, self.edge_index))
 
     # ------------------------------------------------------------------ layouts
     def _placements(self, dim: int):
-        return tuple(Shard(dim) if m == self.mesh_dim else Replicate() for m in range(self.mesh.ndim))
+        """Placements of a tensor sharded along ``dim`` like the graph (kept: compared on every gather)."""
+        cache = self.__dict__.setdefault("_placements_of", {})
+        hit = cache.get(dim)
+        if hit is None:
+            hit = cache[dim] = tuple(
+                _layout.interned(Shard(dim) if m == self.mesh_dim else Replicate()) for m in range(self.mesh.ndim)
+            )
+        return hit
 
     def edge_spec(self, shape, dtype):
         """Spec of an edge-aligned tensor of global ``shape`` (dim 0 = the ``E`` edges), like ``src``."""
@@ -146,7 +157,7 @@ class ShardedGraph:
         passes if it has ``num_nodes`` rows. Metadata only: every rank raises alike.
         """
         self._check_mesh(spec, name)
-        if allow_replicated and not spec.placements[self.mesh_dim].is_shard():
+        if allow_replicated and not issubclass(type(spec.placements[self.mesh_dim]), Shard):
             if spec.global_shape[0] != self.num_nodes:
                 raise PlacementError(
                     f"{name} has {spec.global_shape[0]} rows but the graph has {self.num_nodes} nodes; "
@@ -175,8 +186,8 @@ class ShardedGraph:
                 f"{name} must hold one row per edge of the graph its index comes from"
             )
         p = spec.placements[self.mesh_dim]
-        if (p.is_shard() and (p.dim != 0 or spec.dim_sizes[0] != self.edge_sizes)) or (
-                not p.is_shard() and not allow_replicated):
+        if (issubclass(type(p), Shard) and (p.dim != 0 or spec.dim_sizes[0] != self.edge_sizes)) or (
+                not issubclass(type(p), Shard) and not allow_replicated):
             raise PlacementError(
                 f"{name} is laid out as {spec.placements} with sizes {spec.dim_sizes}, but the graph's "
                 f"{self.num_edges} edges are sharded along dim 0 as {self.edge_sizes}: {name} belongs to "

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .. import _mesh_order, collectives
 from .._torch_compat import Function, traced
@@ -159,9 +159,9 @@ def requestable(x, index) -> int | None:
     ):
         return None
     dims = [m for m, p in enumerate(xs.placements) if p == Shard(0)]
-    if len(dims) != 1 or any(not p.is_replicate() for m, p in enumerate(xs.placements) if m != dims[0]):
+    if len(dims) != 1 or any(not issubclass(type(p), Replicate) for m, p in enumerate(xs.placements) if m != dims[0]):
         return None
-    if any(p.is_partial() for p in ix.placements) or not any(p.is_shard() for p in ix.placements):
+    if any(issubclass(type(p), Partial) for p in ix.placements) or not any(issubclass(type(p), Shard) for p in ix.placements):
         return None
     if traced(index._local_tensor):
         return None
@@ -310,7 +310,7 @@ def _out_spec(x_spec, index, elements: bool):
     rest = () if elements else tuple(x_spec.global_shape[1:])
     return type(x_spec).from_sizes(
         x_spec.mesh,
-        tuple(p if p.is_shard() else Replicate() for p in ix.placements),
+        tuple(p if issubclass(type(p), Shard) else Replicate() for p in ix.placements),
         tuple(ix.global_shape) + rest,
         x_spec.tensor_meta.dtype,
         tuple(ix.dim_sizes) + (None,) * len(rest),
@@ -344,7 +344,7 @@ def _grad_spec(x_spec, index, mesh_dim: int):
     """``x``'s gradient layout: a pending sum over the mesh dims where only the index is sharded."""
     from ..rules.indexing._common import grad_spec_for
 
-    pending = {m for m, p in enumerate(index._spec.placements) if p.is_shard() and m != mesh_dim}
+    pending = {m for m, p in enumerate(index._spec.placements) if issubclass(type(p), Shard) and m != mesh_dim}
     return grad_spec_for(x_spec, pending)
 
 
@@ -365,7 +365,7 @@ class RequestRead(Function):
         x, index, allow_negative, op, padding_idx = inputs
         mesh_dim = requestable(x, index)
         ctx.plan, ctx.rows = plan_for(x._spec, index, mesh_dim, allow_negative, op)  # the cached plan of forward
-        ctx.exchange = index._spec.placements[mesh_dim].is_shard()
+        ctx.exchange = issubclass(type(index._spec.placements[mesh_dim]), Shard)
         ctx.out_spec = output._spec
         ctx.elements = op == "gather"
         ctx.grad_spec = _grad_spec(x._spec, index, mesh_dim)

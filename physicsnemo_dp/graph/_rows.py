@@ -29,7 +29,17 @@ def rows_local(gi: GraphIndex, x_local: torch.Tensor) -> torch.Tensor:
     """This rank's edge rows ``(E_r, ...)`` of node-layout local features ``x_local``."""
     if gi.role == "dst":
         return x_local.index_select(0, gi.graph.dst_local)
+    if _alone(gi.graph):  # every source is a local row: no ghosts, no [local | ghosts] copy, no all-to-all
+        return x_local.index_select(0, gi.graph.plan.slot)
     return fetch_rows(gi.graph.plan, x_local)
+
+
+def _alone(graph) -> bool:
+    """Whether one rank holds the whole graph (its mesh dim has size 1; kept on the graph)."""
+    alone = graph.__dict__.get("_alone")
+    if alone is None:
+        alone = graph.__dict__["_alone"] = graph.mesh.size(graph.mesh_dim) == 1
+    return alone
 
 
 def graph_rows(gi: GraphIndex, x):
@@ -42,9 +52,12 @@ def graph_rows(gi: GraphIndex, x):
 def rows_backward(gi: GraphIndex, grad_local: torch.Tensor) -> torch.Tensor:
     """Node-layout local gradient of ``rows_local`` from the edge rows' gradient (one all-to-all for sources)."""
     g = gi.graph
-    if gi.role == "dst":
+    if gi.role == "dst" or _alone(g):
+        # Local rows only: summed as torch's own backward of ``x[index]`` sums them (index_put_ with accumulate,
+        # which also reads a strided gradient, a slice of a cat's, at the speed of a contiguous one).
+        rows = g.dst_local if gi.role == "dst" else g.plan.slot
         rest = tuple(grad_local.shape[1:])
-        return grad_local.new_zeros((g.num_local_nodes, *rest)).index_add_(0, g.dst_local, grad_local)
+        return grad_local.new_zeros((g.num_local_nodes, *rest)).index_put_((rows,), grad_local, accumulate=True)
     return return_grads(g.plan, grad_local)
 
 

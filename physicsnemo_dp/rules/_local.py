@@ -79,14 +79,14 @@ def resolved(spec):
 
 def without_dim(spec, dim, dtype):
     """``spec`` with tensor dim ``dim`` (not sharded) removed."""
-    placements = tuple(Shard(p.dim - (p.dim > dim)) if p.is_shard() else p for p in spec.placements)
+    placements = tuple(Shard(p.dim - (p.dim > dim)) if issubclass(type(p), Shard) else p for p in spec.placements)
     shape = spec.global_shape[:dim] + spec.global_shape[dim + 1 :]
     sizes = spec.dim_sizes[:dim] + spec.dim_sizes[dim + 1 :]
     return spec_of(spec, placements, shape, dtype, sizes)
 
 
 def sharding_mesh_dims(spec):
-    return tuple(m for m, p in enumerate(spec.placements) if p.is_shard())
+    return tuple(m for m, p in enumerate(spec.placements) if issubclass(type(p), Shard))
 
 
 # --------------------------------------------------------------------------- #

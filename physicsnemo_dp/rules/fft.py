@@ -267,7 +267,7 @@ def _shape_after(s) -> tuple:
 # --------------------------------------------------------------------------- #
 def _sharded(spec, d) -> bool:
     """Whether a mesh dim of size > 1 splits dim ``d`` (a size-1 mesh dim leaves it whole)."""
-    return any(p.is_shard() and p.dim == d and spec.mesh.size(m) > 1 for m, p in enumerate(spec.placements))
+    return any(issubclass(type(p), Shard) and p.dim == d and spec.mesh.size(m) > 1 for m, p in enumerate(spec.placements))
 
 
 def _respec(spec, shape, dtype, dim_sizes=None):
@@ -340,9 +340,9 @@ def _transpose_targets(spec, dims, pending, keep_whole):
     """
     shape = spec.global_shape
     placements = list(spec.placements)
-    movers = [m for m, p in enumerate(placements) if p.is_shard() and p.dim in pending and spec.mesh.size(m) > 1]
+    movers = [m for m, p in enumerate(placements) if issubclass(type(p), Shard) and p.dim in pending and spec.mesh.size(m) > 1]
     movers.sort(key=lambda m: placements[m].dim != keep_whole)
-    used = {p.dim for m, p in enumerate(placements) if p.is_shard() and m not in movers}
+    used = {p.dim for m, p in enumerate(placements) if issubclass(type(p), Shard) and m not in movers}
     done = [d for d in dims if d not in pending]
     others = [d for d in range(len(shape)) if d not in dims]
     stuck = []
@@ -464,7 +464,7 @@ def _run(local, spec, steps):
 
 def _linear_input(x):
     """Local tensor and spec of ``x`` with pending max/min reduced (sums stay: every step is linear)."""
-    mesh_dims = [m for m, p in enumerate(x._spec.placements) if isinstance(p, Partial) and p.reduce_op not in ("sum", "avg")]
+    mesh_dims = [m for m, p in enumerate(x._spec.placements) if issubclass(type(p), Partial) and p.reduce_op not in ("sum", "avg")]
     return resolve_partial(x, mesh_dims) if mesh_dims else (x._local_tensor, x._spec)
 
 

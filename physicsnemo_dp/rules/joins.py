@@ -54,7 +54,7 @@ from functools import lru_cache
 from math import prod
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .. import _intervals, _layout, collectives
 from .._redistribute import redistribute_local
@@ -288,7 +288,7 @@ def _cat_tables(specs, spec, d):
         own = _layout.sharding_mesh_dims(x.placements, d)
         if own == mesh_dims:
             pieces.append(x.dim_sizes[d])
-        elif all(not x.placements[m].is_shard() and not x.placements[m].is_partial() for m in mesh_dims):
+        elif all(not issubclass(type(x.placements[m]), Shard) and not issubclass(type(x.placements[m]), Partial) for m in mesh_dims):
             pieces.append(x.global_shape[d])
         else:
             pieces = None

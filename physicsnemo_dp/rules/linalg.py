@@ -135,7 +135,7 @@ def _batch_layout(operands, batch):
         if spec is None or tuple(t.shape[: t.ndim - k]) != batch:
             continue
         local, spec = unshard_dims(t, range(nb, t.ndim))
-        layout = tuple((p, spec.dim_sizes[p.dim]) if p.is_shard() else (Replicate(), None) for p in spec.placements)
+        layout = tuple((p, spec.dim_sizes[p.dim]) if issubclass(type(p), Shard) else (Replicate(), None) for p in spec.placements)
         return layout, (i, local, spec)
     mesh = next(_spec_of(t) for _, t, _ in operands if _spec_of(t) is not None).mesh
     return ((Replicate(), None),) * mesh.ndim, None
@@ -145,8 +145,8 @@ def _spec_for(mesh, layout, batch, shape, dtype, lead: int):
     """Spec of a tensor of ``shape`` whose dims ``lead..`` align with batch dims (the rest whole)."""
     placements, tables = [], [None] * len(shape)
     for p, table in layout:
-        j = p.dim - (len(batch) - lead) if p.is_shard() else -1
-        if p.is_shard() and 0 <= j < lead and shape[j] == batch[p.dim]:
+        j = p.dim - (len(batch) - lead) if issubclass(type(p), Shard) else -1
+        if issubclass(type(p), Shard) and 0 <= j < lead and shape[j] == batch[p.dim]:
             placements.append(Shard(j))
             tables[j] = table
         else:
@@ -166,12 +166,12 @@ def _call(func, bound, **overrides):
 
 
 def _batch_mesh_dims(layout) -> list[int]:
-    return [m for m, (p, _) in enumerate(layout) if p.is_shard()]
+    return [m for m, (p, _) in enumerate(layout) if issubclass(type(p), Shard)]
 
 
 def _agreed_check(info_local, info_spec, api: str, is_matrix: bool) -> None:
     """torch's check of an ``info`` tensor, with the same verdict and message on every rank."""
-    mesh_dims = [m for m, p in enumerate(info_spec.placements) if p.is_shard()]
+    mesh_dims = [m for m, p in enumerate(info_spec.placements) if issubclass(type(p), Shard)]
     if not mesh_dims:
         aten._linalg_check_errors.default(info_local, api, is_matrix=is_matrix)
         return

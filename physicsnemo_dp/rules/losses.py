@@ -42,7 +42,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .. import collectives
 from .._torch_compat import assert_in_graph, l1_loss_weight, traced, tracing
@@ -60,7 +60,7 @@ def _common(shape, candidates):
     """
     full = [c for c in candidates if c is not None and tuple(c.shape) == tuple(shape)]
     for c in full:
-        if any(p.is_shard() for p in c._spec.placements):
+        if any(issubclass(type(p), Shard) for p in c._spec.placements):
             return resolved(c._spec)
     if full:
         return resolved(full[0]._spec)
@@ -92,7 +92,7 @@ def _reduce(loss, reduction, denominator=None):
 def _ratio_of_sums(numerator, denominator):
     """``numerator.sum() / denominator.sum()``, both sums global: one all-reduce of the two partial sums together."""
     both = torch.stack([numerator.sum(), denominator.sum().to(numerator.dtype)])
-    if any(p.is_partial() for p in both.placements):
+    if any(issubclass(type(p), Partial) for p in both.placements):
         both = both.redistribute(placements=[Replicate()] * both.device_mesh.ndim)
     return both[0] / both[1]
 

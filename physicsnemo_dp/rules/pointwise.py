@@ -66,9 +66,9 @@ def _keeps_partial(func, descs, m: int, reduce_op: str) -> bool:
 def _output_spec(func, ref, descs):
     placements = []
     for m, p in enumerate(ref.placements):
-        if isinstance(p, Partial) and _keeps_partial(func, descs, m, p.reduce_op):
+        if issubclass(type(p), Partial) and _keeps_partial(func, descs, m, p.reduce_op):
             placements.append(p)
-        elif isinstance(p, Partial):
+        elif issubclass(type(p), Partial):
             placements.append(Replicate())
         else:
             placements.append(p)
@@ -83,7 +83,7 @@ def _operand_target(spec, out_spec):
     placements = []
     for m, p in enumerate(out_spec.placements):
         mine = spec.placements[m]
-        if isinstance(p, Partial):
+        if issubclass(type(p), Partial):
             placements.append(p if mine == p else Replicate())
         else:
             placements.append(p)
@@ -100,10 +100,10 @@ def _broadcast_target(spec, out_spec):
     offset = len(out_spec.global_shape) - len(spec.global_shape)
     placements, tables = [], [None] * len(spec.global_shape)
     for m, p in enumerate(out_spec.placements):
-        if isinstance(p, Partial):
+        if issubclass(type(p), Partial):
             placements.append(p if spec.placements[m] == p else Replicate())
             continue
-        e = p.dim - offset if isinstance(p, Shard) else -1
+        e = p.dim - offset if issubclass(type(p), Shard) else -1
         if e >= 0 and spec.global_shape[e] == out_spec.global_shape[p.dim]:
             placements.append(Shard(e))
             tables[e] = out_spec.dim_sizes[p.dim]
@@ -151,7 +151,7 @@ def _propagate(func, descs, in_place: bool) -> _Plan:
             raise RuntimeError(f"{func}: in-place output of shape {ref.global_shape} cannot broadcast to {out_shape}")
     else:
         full = [d for d in specs if d.global_shape == out_shape]
-        ref = next((d for d in full if any(p.is_shard() for p in d.placements)), full[0] if full else None)
+        ref = next((d for d in full if any(issubclass(type(p), Shard) for p in d.placements)), full[0] if full else None)
     operands = tuple(d for d in descs if _is_tensor_desc(d) or d == ("scalar",))
     resolve = None
     if ref is None:  # every ShardTensor broadcasts: compute on replicated data
@@ -161,7 +161,7 @@ def _propagate(func, descs, in_place: bool) -> _Plan:
     else:
         out = _output_spec(func, ref, operands)
         if in_place and out != ref:
-            resolve = ref.with_layout(tuple(Replicate() if p.is_partial() else p for p in ref.placements), ref.dim_sizes)
+            resolve = ref.with_layout(tuple(Replicate() if issubclass(type(p), Partial) else p for p in ref.placements), ref.dim_sizes)
         actions = []
         for k, d in enumerate(descs):
             if isinstance(d, ShardTensorSpec):
@@ -330,14 +330,14 @@ def _fill_value(value):
             raise RuntimeError(f"fill: the value must be a 0-dimensional tensor, not one of shape {tuple(value.shape)}")
         spec = value._spec
         if spec.has_partial:
-            replicated = spec.with_layout(tuple(Replicate() if p.is_partial() else p for p in spec.placements), spec.dim_sizes)
+            replicated = spec.with_layout(tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements), spec.dim_sizes)
             return redistribute_local(value._local_tensor, spec, replicated)
         return value._local_tensor
     return value
 
 
 def _without_partial(spec):
-    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements)
     return spec if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
 
 

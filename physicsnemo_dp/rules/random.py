@@ -34,7 +34,7 @@ import functools
 import math
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .. import _philox, collectives
 from .._checking import checks_enabled
@@ -51,7 +51,7 @@ __all__ = ["RULES", "distribution_values", "draw_key", "sample_spec"]
 # Sampling in a layout
 # --------------------------------------------------------------------------- #
 def _without_partial(spec):
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements)
     return spec if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
 
 
@@ -345,7 +345,7 @@ def _normal_tensors(func, args, kwargs):
     out = meta_output(func, [mean, std], {})
     operands = [t for t in (mean, std) if isinstance(t, ShardTensor)]
     full = [t for t in operands if tuple(t.shape) == tuple(out.shape)]
-    ref = next((t for t in full if any(p.is_shard() for p in t._spec.placements)), full[0] if full else None)
+    ref = next((t for t in full if any(issubclass(type(p), Shard) for p in t._spec.placements)), full[0] if full else None)
     if ref is not None:
         spec = _without_partial(ref._spec)
     else:

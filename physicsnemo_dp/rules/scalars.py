@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .. import collectives
 from ..rule_kit import replicated_to_box, shard_tensor_cls, to_layout
@@ -34,7 +34,7 @@ __all__ = ["RULES", "FUNCTIONS"]
 def _replicated_local(x) -> torch.Tensor:
     """The whole tensor as a local tensor: free when already replicated, else one gather (collective)."""
     spec = x._spec
-    if all(isinstance(p, Replicate) for p in spec.placements):
+    if all(issubclass(type(p), Replicate) for p in spec.placements):
         return x._local_tensor
     target = spec.with_layout((Replicate(),) * spec.mesh.ndim, (None,) * len(spec.global_shape))
     return to_layout(x, target, implicit=False)  # a Python value is the whole tensor by definition
@@ -69,9 +69,9 @@ def _equal(func, args, kwargs):
     if tuple(x.shape) != tuple(y.shape) or x.dtype != y.dtype:
         return False  # global metadata: the same verdict on every rank without communicating
     spec = ref._spec
-    if any(p.is_partial() for p in spec.placements):
+    if any(issubclass(type(p), Partial) for p in spec.placements):
         spec = spec.with_layout(
-            tuple(Replicate() if p.is_partial() else p for p in spec.placements), spec.dim_sizes
+            tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements), spec.dim_sizes
         )
     same = func(_local_piece(ref, spec), _local_piece(other, spec))
     verdict = torch.tensor([int(same)], dtype=torch.int32, device=ref._local_tensor.device)

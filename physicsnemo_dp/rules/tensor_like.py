@@ -83,7 +83,7 @@ def _in_place_fill(func, args, kwargs):
 
 
 def _without_partial(spec):
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements)
     return spec if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
 
 

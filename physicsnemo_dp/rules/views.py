@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 from .._redistribute import redistribute_local
 from .._reshape import compatible_layout, output_layout
@@ -82,7 +82,7 @@ def derived_spec(spec, placements, global_shape, dim_sizes):
 
 def renumber(placements, mapping):
     """Placements with each ``Shard(d)`` moved to ``Shard(mapping[d])``."""
-    return tuple(Shard(mapping[p.dim]) if p.is_shard() else p for p in placements)
+    return tuple(Shard(mapping[p.dim]) if issubclass(type(p), Shard) else p for p in placements)
 
 
 def without_dim(placements, dim_sizes, dim: int):
@@ -185,7 +185,7 @@ def _view_dtype(func, args, kwargs):
 # --------------------------------------------------------------------------- #
 def _linear_local(x):
     """Local tensor and spec of ``x`` with only pending sums/averages kept (reinterpretations are linear in them)."""
-    keep = {m for m, p in enumerate(x._spec.placements) if not p.is_partial() or p.reduce_op in ("sum", "avg")}
+    keep = {m for m, p in enumerate(x._spec.placements) if not issubclass(type(p), Partial) or p.reduce_op in ("sum", "avg")}
     others = [m for m in range(len(x._spec.placements)) if m not in keep]
     return resolve_partial(x, others) if others else (x._local_tensor, x._spec)
 
@@ -219,7 +219,7 @@ def _view_as_complex(func, args, kwargs):
     spec = x._spec
     last = len(spec.global_shape) - 1
     if spec.dim_sizes[last] is not None:
-        mesh_dims = [m for m, p in enumerate(spec.placements) if p.is_shard() and p.dim == last]
+        mesh_dims = [m for m, p in enumerate(spec.placements) if issubclass(type(p), Shard) and p.dim == last]
         raise PlacementError(
             f"view_as_complex: the last dim (the real and imaginary parts, size 2) is sharded over mesh "
             f"dim(s) {mesh_dims} with shard sizes {list(spec.dim_sizes[last])}, so a number's two parts "

@@ -51,11 +51,11 @@ def op_placements(spec, window_dims: Sequence[int], whole_dims: Sequence[int] = 
     claimed: set[int] = set()
     displaced = []
     for m, p in enumerate(placements):
-        if p.is_partial():
+        if issubclass(type(p), Partial):
             placements[m] = Replicate()
-        elif p.is_shard() and (p.dim in whole_dims or (p.dim in window_dims and p.dim in claimed)):
+        elif issubclass(type(p), Shard) and (p.dim in whole_dims or (p.dim in window_dims and p.dim in claimed)):
             displaced.append(m)
-        elif p.is_shard():
+        elif issubclass(type(p), Shard):
             claimed.add(p.dim)
     for m in displaced:
         free_windows = [d for d in window_dims if d not in claimed and shape[d] >= mesh_shape[m]]
@@ -81,14 +81,14 @@ def prepare_input(x, window_dims: Sequence[int], whole_dims: Sequence[int] = ())
 
 def replicated(t):
     """A parameter as a Replicate ShardTensor (plain ones were promoted already); None stays None."""
-    if t is None or all(p.is_replicate() for p in t._spec.placements):
+    if t is None or all(issubclass(type(p), Replicate) for p in t._spec.placements):
         return t
     return t.redistribute(placements=(Replicate(),) * t._spec.mesh.ndim)
 
 
 def partial_spec(x_spec, shape, dtype) -> ShardTensorSpec:
     """Layout of a parameter gradient: Partial where ``x`` is sharded, Replicate elsewhere."""
-    placements = tuple(Partial() if p.is_shard() else Replicate() for p in x_spec.placements)
+    placements = tuple(Partial() if issubclass(type(p), Shard) else Replicate() for p in x_spec.placements)
     return ShardTensorSpec.from_sizes(x_spec.mesh, placements, shape, dtype, (None,) * len(shape))
 
 

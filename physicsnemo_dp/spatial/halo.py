@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .. import _layout, collectives
 from .._torch_compat import Function, graph_constant
@@ -308,8 +308,8 @@ def halo_exchange(x, halo: Mapping[int, tuple[int, int]], mode: str = "zeros", v
             raise ValueError(f"halo widths must be >= 0, got {(left, right)} for dim {d}")
     ndim = x.ndim
     halo = {d % ndim: w for d, w in halo.items()}
-    if any(p.is_partial() for p in x._spec.placements):
-        resolved = tuple(Replicate() if p.is_partial() else p for p in x._spec.placements)
+    if any(issubclass(type(p), Partial) for p in x._spec.placements):
+        resolved = tuple(Replicate() if issubclass(type(p), Partial) else p for p in x._spec.placements)
         x = x.redistribute(placements=resolved)
     plans = plan_windows(x._spec, {d: _widths_windows(*w) for d, w in halo.items()}, mode)
     return _HaloExchange.apply(x, plans, value)

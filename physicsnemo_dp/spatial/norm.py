@@ -159,11 +159,11 @@ def _param_grad(t, meta, stats: _Stats):
     local = local.reshape(local.shape[offset:] if stats.trailing_params else (-1,)).to(dtype)
     placements, tables = [], [None] * len(shape)
     for m, p in enumerate(stats.spec.placements):
-        if p.is_shard() and stats.trailing_params and p.dim >= offset:
+        if issubclass(type(p), Shard) and stats.trailing_params and p.dim >= offset:
             placements.append(Shard(p.dim - offset))
             tables[p.dim - offset] = stats.spec.dim_sizes[p.dim]
         else:
-            placements.append(Partial() if p.is_shard() else Replicate())
+            placements.append(Partial() if issubclass(type(p), Shard) else Replicate())
     return wrap(local, ShardTensorSpec.from_sizes(stats.spec.mesh, placements, shape, dtype, tuple(tables)))
 
 
@@ -298,6 +298,10 @@ def _gn_args(input, num_groups, weight=None, bias=None, eps=1e-5):
 
 
 def _layer_norm(func, types, args, kwargs):
+    if args and type(args[0]) is shard_tensor_cls():
+        fast = _rowwise_layer_norm(*args, **kwargs)
+        if fast is not None:
+            return fast
     dtype = meta_output(func, args, kwargs).dtype
     x, normalized_shape, weight, bias, eps = _ln_args(*args, **kwargs)
     x = prepare_input(x, ())
@@ -315,6 +319,49 @@ def _layer_norm(func, types, args, kwargs):
         with torch_function_disabled():
             return F.layer_norm(x, normalized_shape, weight, bias, eps)
     return _normalize(x, weight, bias, stats)[0]
+
+
+def _rowwise_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """The common eager call, decided from the specs alone: every normalized row whole on its rank.
+
+    That is ``x`` without a pending sum, no mesh dim sharding a normalized
+    dim, the shape matching, and parameters (promoted already) whole: the
+    call goes straight to torch's fused kernel through the
+    ``native_layer_norm`` rule, as the general path below would, without
+    building its metadata (a meta call, the statistics plan). None otherwise.
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not _rows_whole(x._spec, shape) or tracing(x._local_tensor):
+        return None
+    for p in (weight, bias):
+        if p is not None and (type(p) is not type(x) or not _whole(p._spec)):
+            return None
+    with torch_function_disabled():
+        return torch.layer_norm(x, shape, weight, bias, eps, False)
+
+
+_ROWS_WHOLE: dict = {}
+
+
+def _rows_whole(spec, shape: tuple) -> bool:
+    """Whether ``spec`` has no pending sum and no mesh dim sharding its trailing ``shape`` (memoised)."""
+    key = (spec, shape)
+    hit = _ROWS_WHOLE.get(key)
+    if hit is None:
+        ndim, k = len(spec.global_shape), len(shape)
+        hit = _ROWS_WHOLE[key] = (
+            0 < k <= ndim
+            and tuple(spec.global_shape[ndim - k :]) == shape
+            and not spec.has_partial
+            and not any(issubclass(type(p), Shard) and p.dim >= ndim - k for p in spec.placements)
+        )
+        if len(_ROWS_WHOLE) > 4096:  # layouts seen by a long-running process: keep the memo bounded
+            _ROWS_WHOLE.clear()
+    return hit
+
+
+def _whole(spec) -> bool:
+    return all(issubclass(type(p), Replicate) for p in spec.placements)
 
 
 def _ln_args(input, normalized_shape, weight=None, bias=None, eps=1e-5):

@@ -69,13 +69,15 @@ def _run(ctx, case, dtype, how):
     x = case.shard_nodes(ctx.mesh, x_full).requires_grad_()
     with count_collectives() as forward:
         out = message_passing(x, g.src, g.dst, lin, how)
+    # One all-to-all each way moves exactly the ghost rows; on one rank there is nothing to move and none is issued.
+    exchanges = 1 if ctx.mesh.size() > 1 else 0
     if g.num_edges:  # views of an empty index become Replicate: no edges anywhere takes the generic path
-        assert dict(forward.calls) == {"all_to_all": 1}, forward.summary()
+        assert dict(forward.calls) == ({"all_to_all": 1} if exchanges else {}), forward.summary()
         assert forward.total_received == g.num_ghosts * F * dtype.itemsize
     assert out.spec.dim_sizes[0] == case.node_sizes
     with count_collectives() as backward:
         (out * case.shard_nodes(ctx.mesh, w_full)).sum().backward()
-    assert backward.calls["all_to_all"] == 1 or not g.num_edges
+    assert backward.calls["all_to_all"] == exchanges or not g.num_edges
     torch.testing.assert_close(out.full_tensor(), ref, **TOL[dtype])
     grads = [x.grad.full_tensor()] + [p.grad for p in lin.parameters()]
     for got, want in zip(grads, ref_grads):

@@ -59,7 +59,8 @@ def _gather_check(ctx, case, dtype, index_op):
     with count_collectives() as counter:
         y = index_op(x, g.src)
     row = f * dtype.itemsize
-    assert counter.calls["all_to_all"] == 1
+    exchanges = 1 if ctx.world_size > 1 else 0  # one rank holding the graph reads its own rows: nothing to move
+    assert counter.calls["all_to_all"] == exchanges
     assert counter.total_calls == counter.calls["all_to_all"]
     assert counter.total_received == g.num_ghosts * row
     assert tuple(y._local_tensor.shape) == (g.num_local_edges, f) and y.spec.dim_sizes[0] == g.edge_sizes
@@ -73,7 +74,7 @@ def _gather_check(ctx, case, dtype, index_op):
     w_local = w[order][g.edge_offset: g.edge_offset + g.num_local_edges]
     with count_collectives() as counter:
         (y * ShardTensor.from_spec(w_local, w_sharded)).sum().backward()
-    assert counter.calls["all_to_all"] == 1
+    assert counter.calls["all_to_all"] == exchanges
     (ref * w[order]).sum().backward()
     torch.testing.assert_close(x.grad.full_tensor(), ref_x.grad, **TOL[dtype])
     # destinations: local both ways

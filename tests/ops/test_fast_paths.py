@@ -85,3 +85,41 @@ def test_dispatch_handlers_pending_sums_and_in_place_calls_take_the_usual_route(
     z = shard_from_global(G - 1, make_spec(ctx.mesh, (Shard(0),), G.shape))
     out = F.relu(z, True)
     assert out is z and torch.equal(z.full_tensor(), F.relu(G - 1))
+
+
+def _rowwise_cases(mesh):
+    """(placements, whole rows?) for a (rows, features) input normalized over its features."""
+    if mesh.ndim == 2:
+        return [((Shard(0), Shard(0)), True), ((Shard(0), Shard(1)), False)]
+    return [((Shard(0),), True), ((Shard(1),), False), ((Partial(),), False)]
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=True)
+def test_layer_norm_over_whole_rows_skips_the_plan_and_matches(ctx):
+    """Rows whole on their rank: straight to torch's fused kernel (no meta call), same values and gradients."""
+    import physicsnemo_dp.spatial.norm as norm
+
+    G = integer_tensor((9, 6), seed=3) / 4
+    ln = torch.nn.LayerNorm(6, dtype=torch.float64)
+    with torch.no_grad():
+        ln.weight.copy_(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+        ln.bias.copy_(torch.linspace(-1, 1, 6, dtype=torch.float64))
+    ref_x = G.clone().requires_grad_(True)
+    ref_y = ln(ref_x)
+    (ref_y * G).sum().backward()
+    ref = (ref_y.detach(), ref_x.grad, ln.weight.grad.clone(), ln.bias.grad.clone())
+    meta_output, metas = norm.meta_output, []
+    norm.meta_output = lambda *a: metas.append(1) or meta_output(*a)  # counts the general path's meta calls
+    try:
+        for placements, whole in _rowwise_cases(ctx.mesh):
+            metas.clear()
+            ln.zero_grad()
+            x = shard_from_global(G, make_spec(ctx.mesh, placements, G.shape), requires_grad=True)
+            y = ln(x)
+            assert (not metas) == whole, placements
+            (y * shard_from_global(G, y._spec)).sum().backward()
+            got = (y.full_tensor(), x.grad.full_tensor(), ln.weight.grad, ln.bias.grad)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b)
+    finally:
+        norm.meta_output = meta_output

@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import product
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ... import _layout, collectives
 from ..._redistribute import grad_layout, redistribute_local
@@ -26,7 +26,7 @@ def shard_index(spec, d: int) -> int:
 
 def resolve_nonlinear_partial(x):
     """Local tensor and spec of ``x`` with pending max/min reduced (sums may stay pending)."""
-    mesh_dims = [m for m, p in enumerate(x._spec.placements) if isinstance(p, Partial) and p.reduce_op not in ("sum", "avg")]
+    mesh_dims = [m for m, p in enumerate(x._spec.placements) if issubclass(type(p), Partial) and p.reduce_op not in ("sum", "avg")]
     return resolve_partial(x, mesh_dims) if mesh_dims else (x._local_tensor, x._spec)
 
 
@@ -81,7 +81,7 @@ def gather_shards(t: torch.Tensor, d: int, spec, extent=lambda n: 1) -> torch.Te
 def resized(spec, d: int, extent: int, *, unshard: bool):
     """``spec`` with dim ``d`` of size ``extent`` (mesh dims sharding it become Replicate if ``unshard``)."""
     placements = tuple(
-        Replicate() if unshard and p.is_shard() and p.dim == d else p for p in spec.placements
+        Replicate() if unshard and issubclass(type(p), Shard) and p.dim == d else p for p in spec.placements
     )
     shape = list(spec.global_shape)
     shape[d] = extent

@@ -14,7 +14,7 @@ layout, where the backward needs them.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..._redistribute import grad_layout
 from ...rule_kit import grad_like, shard_tensor_cls, to_layout, unshard_dims, wrap
@@ -42,8 +42,49 @@ def _replicated(t):
     return to_layout(t, spec)
 
 
+def _rows_local(spec, k: int):
+    """``(stats spec, weight-gradient placements)`` if rows of ``spec`` are whole on their rank, else None.
+
+    Whole rows: no pending sum and no mesh dim sharding the ``k`` normalized
+    dims, so forward and backward run on the local tensors as they are. A pure
+    function of the layout, memoised: a model normalizes a few layouts over
+    and over, and building the specs is most of the cost of a small call.
+    """
+    key = (spec, k)
+    hit = _ROWS.get(key, _MISSING)
+    if hit is _MISSING:
+        ndim = len(spec.global_shape)
+        local = not spec.has_partial and not any(
+            issubclass(type(p), Shard) and p.dim >= ndim - k for p in spec.placements
+        )
+        hit = (_stats_spec(spec, k), {}) if local else None
+        if len(_ROWS) > 4096:  # keep the memo bounded in a long-running process
+            _ROWS.clear()
+        _ROWS[key] = hit
+    return hit
+
+
+_ROWS: dict = {}
+_MISSING = object()
+
+
+def _whole_local(t):
+    """Local tensor of a parameter that every rank holds whole (None stays None), or ``_MISSING``."""
+    if t is None:
+        return None
+    if isinstance(t, shard_tensor_cls()) and all(issubclass(type(p), Replicate) for p in t._spec.placements):
+        return t._local_tensor
+    return _MISSING
+
+
 def _layer_norm(func, args, kwargs):
     x, normalized_shape, weight, bias, eps = args
+    rows = _rows_local(x._spec, len(normalized_shape))
+    if rows is not None:
+        w, b = _whole_local(weight), _whole_local(bias)
+        if w is not _MISSING and b is not _MISSING:
+            out, mean, rstd = func(x._local_tensor, normalized_shape, w, b, eps)
+            return wrap(out, x._spec), wrap(mean, rows[0]), wrap(rstd, rows[0])
     u_local, u_spec = unshard_dims(x, _normalized_dims(x, normalized_shape))
     out, mean, rstd = func(u_local, normalized_shape, _replicated(weight), _replicated(bias), eps)
     out_spec = grad_layout(x._spec)
@@ -53,6 +94,11 @@ def _layer_norm(func, args, kwargs):
 
 def _layer_norm_backward(func, args, kwargs):
     grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
+    rows = _rows_local(x._spec, len(normalized_shape))
+    if rows is not None:
+        fast = _rowwise_backward(func, rows, args)
+        if fast is not None:
+            return fast
     u_local, u_spec = unshard_dims(x, _normalized_dims(x, normalized_shape))
     stats = _stats_spec(u_spec, len(normalized_shape))
     gi, gw, gb = func(
@@ -70,6 +116,33 @@ def _layer_norm_backward(func, args, kwargs):
     return grad_input, _param_grad(gw, weight, u_spec), _param_grad(gb, bias, u_spec)
 
 
+def _rowwise_backward(func, rows, args):
+    """The backward of whole rows on local tensors (see :func:`_rows_local`), or None for the general path."""
+    grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
+    stats, grad_specs = rows
+    ST = shard_tensor_cls()
+    w, b = _whole_local(weight), _whole_local(bias)
+    if w is _MISSING or b is _MISSING:
+        return None
+    for t, spec in ((grad, x._spec), (mean, stats), (rstd, stats)):
+        if type(t) is not ST or t._spec is not spec and t._spec != spec:
+            return None
+    gi, gw, gb = func(grad._local_tensor, x._local_tensor, normalized_shape, mean._local_tensor,
+                      rstd._local_tensor, w, b, mask)  # fmt: skip
+    out = [None if gi is None else wrap(gi, x._spec)]
+    for g, param in ((gw, weight), (gb, bias)):
+        if g is None:
+            out.append(None)
+            continue
+        key = (tuple(g.shape), g.dtype)
+        spec = grad_specs.get(key)
+        if spec is None:  # each rank's sum over its rows: pending over the mesh dims that shard rows
+            placements = tuple(Partial("sum") if issubclass(type(p), Shard) else Replicate() for p in x._spec.placements)
+            spec = grad_specs[key] = type(x._spec).from_sizes(x._spec.mesh, placements, key[0], g.dtype, (None,) * g.ndim)
+        out.append(grad_like(wrap(g, spec), param._spec))
+    return tuple(out)
+
+
 def _param_grad(local, param, u_spec):
     """Each rank's sum over its rows: pending over the mesh dims that shard rows, in ``param``'s layout.
 
@@ -77,7 +150,7 @@ def _param_grad(local, param, u_spec):
     """
     if local is None:
         return None
-    placements = tuple(Partial("sum") if p.is_shard() else Replicate() for p in u_spec.placements)
+    placements = tuple(Partial("sum") if issubclass(type(p), Shard) else Replicate() for p in u_spec.placements)
     spec = type(u_spec).from_sizes(u_spec.mesh, placements, tuple(local.shape), local.dtype, (None,) * local.ndim)
     if isinstance(param, shard_tensor_cls()):
         return grad_like(wrap(local, spec), param._spec)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ..._redistribute import redistribute_local
 from ...propagation import OpPlan, cached, collective_step, freeze, redistribution_steps, replicated
@@ -57,7 +57,7 @@ class SoftmaxPlan:
 
 
 def _resolved(spec):
-    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements)
     return spec if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
 
 

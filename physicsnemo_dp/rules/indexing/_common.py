@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ... import _gathers, _layout, collectives
 from ..._redistribute import redistribute_local, target_layout
@@ -73,10 +73,10 @@ def note_index_gather(x_spec, index_specs, out_spec, start: int, ndims: int) -> 
     the indexed dim the output is a pending sum of the whole index length).
     From layouts alone: the same decision and numbers on every rank.
     """
-    sharding = {m for s in index_specs for m, p in enumerate(s.placements) if p.is_shard()}
+    sharding = {m for s in index_specs for m, p in enumerate(s.placements) if issubclass(type(p), Shard)}
     if not sharding:
         return
-    kept = {m for m, p in enumerate(out_spec.placements) if p.is_shard() and start <= p.dim < start + ndims}
+    kept = {m for m, p in enumerate(out_spec.placements) if issubclass(type(p), Shard) and start <= p.dim < start + ndims}
     lost = sharding - kept
     if not lost:
         return
@@ -88,7 +88,7 @@ def note_index_gather(x_spec, index_specs, out_spec, start: int, ndims: int) -> 
     out_bytes = _gathers.box_bytes(
         out_spec.placements, out_spec.dim_sizes, out_spec.global_shape, out_spec.tensor_meta.dtype.itemsize
     )
-    pending = any(out_spec.placements[m].is_partial() for m in lost)
+    pending = any(issubclass(type(out_spec.placements[m]), Partial) for m in lost)
     kind = "pending sum of the global index length" if pending else "index gathered, output of the global index length"
     what = (
         f"(x {_gathers.describe_layout(x_spec.placements)} {_shape(x_spec.global_shape)}, index "
@@ -115,13 +115,13 @@ def box(spec, d: int) -> tuple[int, int]:
 
 
 def sharded_dims(spec) -> set[int]:
-    return {p.dim for p in spec.placements if p.is_shard()}
+    return {p.dim for p in spec.placements if issubclass(type(p), Shard)}
 
 
 def resolved_spec(spec, mesh_dims) -> object:
     """``spec`` with the pending reductions on ``mesh_dims`` done (Replicate there)."""
     placements = tuple(
-        Replicate() if p.is_partial() and m in mesh_dims else p for m, p in enumerate(spec.placements)
+        Replicate() if issubclass(type(p), Partial) and m in mesh_dims else p for m, p in enumerate(spec.placements)
     )
     return spec if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
 
@@ -138,11 +138,11 @@ def reading_spec(spec, indexed_dims) -> object:
         return spec
     if spec.tensor_meta.dtype == torch.bool:
         placements = tuple(
-            Replicate() if (p.is_shard() and p.dim in indexed_dims) or p.is_partial() else p
+            Replicate() if (issubclass(type(p), Shard) and p.dim in indexed_dims) or issubclass(type(p), Partial) else p
             for p in spec.placements
         )
         return relayout_spec(spec, placements)
-    nonlinear = {m for m, p in enumerate(spec.placements) if p.is_partial() and p.reduce_op in ("max", "min")}
+    nonlinear = {m for m, p in enumerate(spec.placements) if issubclass(type(p), Partial) and p.reduce_op in ("max", "min")}
     return resolved_spec(spec, nonlinear)
 
 
@@ -207,7 +207,7 @@ def grad_spec_for(input_spec, grad_pending_dims: set[int]):
     contribution (Partial("sum")) — left pending so that the consumer decides
     when to reduce (a promoted weight reduces once, in its backward)."""
     placements = tuple(
-        SUM if m in grad_pending_dims else (Replicate() if p.is_partial() else p)
+        SUM if m in grad_pending_dims else (Replicate() if issubclass(type(p), Partial) else p)
         for m, p in enumerate(input_spec.placements)
     )
     return input_spec.with_layout(placements, input_spec.dim_sizes)
@@ -222,7 +222,7 @@ def to_input_layout(local: torch.Tensor, spec, input_spec):
     """
     pending = {
         m for m, p in enumerate(input_spec.placements)
-        if not p.is_shard() and (spec.placements[m].is_shard() or spec.placements[m] == SUM)
+        if not issubclass(type(p), Shard) and (issubclass(type(spec.placements[m]), Shard) or spec.placements[m] == SUM)
     }
     target = grad_spec_for(input_spec, pending)
     if target.placements == spec.placements and target.dim_sizes == spec.dim_sizes:

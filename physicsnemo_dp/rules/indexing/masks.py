@@ -82,7 +82,7 @@ def plan_mask(x_spec, mask_spec, p: int) -> MaskPlan:
     k = len(mask_spec.global_shape)
     placements, masked = [], []
     for m, px in enumerate(x_spec.placements):
-        if (px.is_shard() and p <= px.dim < p + k) or (px.is_replicate() and mask_spec.placements[m].is_shard()):
+        if (issubclass(type(px), Shard) and p <= px.dim < p + k) or (issubclass(type(px), Replicate) and issubclass(type(mask_spec.placements[m]), Shard)):
             placements.append(Shard(p))
             masked.append(m)
         else:
@@ -90,7 +90,7 @@ def plan_mask(x_spec, mask_spec, p: int) -> MaskPlan:
     tables = {}
     if (
         masked
-        and all(x_spec.placements[m].is_replicate() for m in masked)
+        and all(issubclass(type(x_spec.placements[m]), Replicate) for m in masked)
         and _layout.sharding_mesh_dims(mask_spec.placements, 0) == tuple(masked)
     ):
         tables[p] = mask_spec.dim_sizes[0]  # slice x to the mask's boxes: nothing moves
@@ -111,7 +111,7 @@ def selected_spec(plan: MaskPlan, count: int):
         return d if d < p else d - k + 1
 
     placements = [
-        Shard(p) if m in plan.masked else (Shard(new_dim(q.dim)) if q.is_shard() else q)
+        Shard(p) if m in plan.masked else (Shard(new_dim(q.dim)) if issubclass(type(q), Shard) else q)
         for m, q in enumerate(x_spec.placements)
     ]
     shape = list(x_spec.global_shape[:p]) + [0] + list(x_spec.global_shape[p + k:])
@@ -160,14 +160,14 @@ def masked_select(x, mask):
 def nonzero(x):
     """Global coordinates of the nonzero elements, ``(count, ndim)``, rows sharded by rank counts."""
     spec = x._spec
-    placements = [Shard(0) if p.is_shard() else Replicate() for p in spec.placements]
+    placements = [Shard(0) if issubclass(type(p), Shard) else Replicate() for p in spec.placements]
     target = relayout_spec(spec, placements) if spec.global_shape else without_partial(spec)
     local = to_layout(x, target)
     coords = torch.nonzero(local)
     if coords.numel():
         coords = coords + torch.tensor(target.local_offsets(), dtype=coords.dtype, device=coords.device)
-    masked = tuple(m for m, p in enumerate(target.placements) if p.is_shard())
-    out_placements = [Shard(0) if p.is_shard() else Replicate() for p in target.placements]
+    masked = tuple(m for m, p in enumerate(target.placements) if issubclass(type(p), Shard))
+    out_placements = [Shard(0) if issubclass(type(p), Shard) else Replicate() for p in target.placements]
     ndim = len(spec.global_shape)
     if masked:
         table = gather_count_table(coords.shape[0], spec.mesh, masked)
@@ -187,7 +187,7 @@ def mask_put_(x, p: int, mask, values, accumulate: bool) -> None:
     k = mask.ndim
     spec = x._spec
     mask_spec = mask._spec.with_layout(
-        [Shard(q.dim - p) if q.is_shard() and p <= q.dim < p + k else Replicate() for q in spec.placements],
+        [Shard(q.dim - p) if issubclass(type(q), Shard) and p <= q.dim < p + k else Replicate() for q in spec.placements],
         spec.dim_sizes[p : p + k],
     )
     m_local = _bool_local(to_layout(mask, mask_spec))
@@ -202,7 +202,7 @@ def mask_put_(x, p: int, mask, values, accumulate: bool) -> None:
             offset, extent = box(spec, p + j)
             rank = rank.narrow(j, offset, extent)
         values = values.index_select(count_dim, rank[m_local])
-    for d in sorted({q.dim for q in spec.placements if q.is_shard()} - set(range(p, p + k))):
+    for d in sorted({q.dim for q in spec.placements if issubclass(type(q), Shard)} - set(range(p, p + k))):
         vd = (d if d < p else d - k + 1) - lead  # slice the other dims to this rank's box
         if vd >= 0 and values.shape[vd] != 1:
             offset, extent = box(spec, d)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ...rule_kit import broadcast_shape, normalize_dim, replicated_to_box, shard_tensor_cls, to_layout, wrap
 from ._common import (
@@ -79,13 +79,13 @@ def plan_read(x_spec, index_specs, allow_negative: bool = True) -> ReadPlan:
     lead = next((s for s in specs if s.global_shape == bshape), None)
     index_placements, out_placements, pending = [], [], set()
     for m, p in enumerate(x_spec.placements):
-        q = lead.placements[m] if lead is not None and p.is_replicate() else Replicate()
-        index_placements.append(q if q.is_shard() else Replicate())
-        if p.is_shard():
+        q = lead.placements[m] if lead is not None and issubclass(type(p), Replicate) else Replicate()
+        index_placements.append(q if issubclass(type(q), Shard) else Replicate())
+        if issubclass(type(p), Shard):
             out_placements.append(SUM if p.dim in positions else Shard(where[p.dim]))
-        elif p.is_partial():
+        elif issubclass(type(p), Partial):
             out_placements.append(p)
-        elif q.is_shard():
+        elif issubclass(type(q), Shard):
             out_placements.append(Shard(start + q.dim))
             pending.add(m)
         else:
@@ -224,17 +224,17 @@ def plan_gather(x_spec, dim: int, index_spec) -> GatherPlan:
     placements, out_placements, tables, pending = [], [], {}, set()
     for m, p in enumerate(x_spec.placements):
         q = index_spec.placements[m]
-        if p.is_shard() and p.dim != dim:
+        if issubclass(type(p), Shard) and p.dim != dim:
             placements.append(p)
             out_placements.append(p)
             tables[p.dim] = clip_sizes(x_spec.dim_sizes[p.dim], index_spec.global_shape[p.dim])
-        elif p.is_replicate() and q.is_shard() and q.dim not in positional:
+        elif issubclass(type(p), Replicate) and issubclass(type(q), Shard) and q.dim not in positional:
             placements.append(q)
             out_placements.append(q)
             pending.add(m)
         else:
             placements.append(Replicate())
-            out_placements.append(SUM if p.is_shard() else (p if p.is_partial() else Replicate()))
+            out_placements.append(SUM if issubclass(type(p), Shard) else (p if issubclass(type(p), Partial) else Replicate()))
     index_target = relayout_spec(index_spec, placements, tables)
     out_spec = spec_like(x_spec, out_placements, index_spec.global_shape, index_target.dim_sizes)
     return GatherPlan(x_spec, dim, index_target, out_spec, frozenset(pending))
@@ -301,9 +301,9 @@ def embedding_dense_backward(grad, indices, num_weights: int, padding_idx: int, 
     g_spec = grad._spec
     g_placements, i_placements, w_placements = [], [], []
     for p in g_spec.placements:
-        if p.is_shard() and p.dim < nidx and not scale_grad_by_freq:
+        if issubclass(type(p), Shard) and p.dim < nidx and not scale_grad_by_freq:
             g_placements.append(p), i_placements.append(p), w_placements.append(SUM)
-        elif p.is_shard() and p.dim == nidx:
+        elif issubclass(type(p), Shard) and p.dim == nidx:
             g_placements.append(p), i_placements.append(Replicate()), w_placements.append(Shard(1))
         elif p == SUM:
             g_placements.append(p), i_placements.append(Replicate()), w_placements.append(p)

@@ -85,10 +85,10 @@ def index_put(x, indices, values, accumulate: bool = False, *, in_place: bool):
         idx[d] = loc
     bshape = broadcast_shape(*(tuple(indices[d].shape) for d in positions))
     shape, _, where = result_shape(spec.global_shape, positions, bshape)
-    placements = [Shard(where[q.dim]) if q.is_shard() and q.dim not in positions else Replicate() for q in spec.placements]
+    placements = [Shard(where[q.dim]) if issubclass(type(q), Shard) and q.dim not in positions else Replicate() for q in spec.placements]
     tables = [None] * len(shape)
     for q in spec.placements:
-        if q.is_shard() and q.dim not in positions:
+        if issubclass(type(q), Shard) and q.dim not in positions:
             tables[where[q.dim]] = spec.dim_sizes[q.dim]
     v_spec = spec_like(spec, placements, shape, tables)
     put_local(target._local_tensor, idx, _values_local(values, v_spec), owned, accumulate)
@@ -97,10 +97,10 @@ def index_put(x, indices, values, accumulate: bool = False, *, in_place: bool):
 
 def _aligned_spec(t, spec, dim: int):
     """Layout for an index/source written into ``spec`` along ``dim``: like ``x`` off ``dim``, clipped to ``t``."""
-    placements = [q if q.is_shard() and q.dim != dim else Replicate() for q in spec.placements]
+    placements = [q if issubclass(type(q), Shard) and q.dim != dim else Replicate() for q in spec.placements]
     tables = [None] * t.ndim
     for q in placements:
-        if q.is_shard():
+        if issubclass(type(q), Shard):
             tables[q.dim] = clip_sizes(spec.dim_sizes[q.dim], t.shape[q.dim])
     return t._spec.with_layout(placements, tables)
 

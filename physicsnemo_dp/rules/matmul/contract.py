@@ -183,11 +183,11 @@ def _bias_layout(bias_spec, out_placements, out_dim_sizes, out_ndim):
     offset = out_ndim - len(bias_shape)
     placements, dim_sizes = [], [None] * len(bias_shape)
     for p in out_placements:
-        d = p.dim - offset if isinstance(p, Shard) else -1
-        if isinstance(p, Shard) and d >= 0 and bias_shape[d] != 1:
+        d = p.dim - offset if issubclass(type(p), Shard) else -1
+        if issubclass(type(p), Shard) and d >= 0 and bias_shape[d] != 1:
             placements.append(Shard(d))
             dim_sizes[d] = out_dim_sizes[p.dim]
-        elif isinstance(p, Partial):
+        elif issubclass(type(p), Partial):
             placements.append(p)  # added on one rank of the group: the sum stays exact
         else:
             placements.append(Replicate())
@@ -200,7 +200,7 @@ def _bias_layout(bias_spec, out_placements, out_dim_sizes, out_ndim):
 def _prefer(spec, labels):
     """Plan hint: shard the gradient like the input, nothing else."""
     return tuple(
-        (labels[p.dim], spec.dim_sizes[p.dim]) if isinstance(p, Shard) else NO_FREE for p in spec.placements
+        (labels[p.dim], spec.dim_sizes[p.dim]) if issubclass(type(p), Shard) else NO_FREE for p in spec.placements
     )
 
 
@@ -209,7 +209,7 @@ def _grad_of(target_labels, target_spec, tensors, labels, scale):
     sub_eq = Equation(tuple(labels), tuple(target_labels))
     # The gradient of a whole (replicated) operand, a weight say, is whole: what its contraction gathers is
     # not an implicit gather (the forward that used the whole tensor is where one would be reported).
-    whole = all(p.is_replicate() for p in target_spec.placements)
+    whole = all(issubclass(type(p), Replicate) for p in target_spec.placements)
     with _gathers.explicit() if whole else contextlib.nullcontext():
         g = contract(
             sub_eq,

@@ -152,16 +152,16 @@ def _plan(specs, labels, out_labels, out_shape, prefer) -> Plan:
 
 def _label_on(spec, labs, m):
     p = spec.placements[m]
-    return labs[p.dim] if isinstance(p, Shard) else None
+    return labs[p.dim] if issubclass(type(p), Shard) else None
 
 
 def _shardable(spec, labs, m, ext) -> bool:
     p = spec.placements[m]
-    return isinstance(p, Shard) and not is_broadcast(spec.global_shape[p.dim], labs[p.dim], ext)
+    return issubclass(type(p), Shard) and not is_broadcast(spec.global_shape[p.dim], labs[p.dim], ext)
 
 
 def _linear_partial(p) -> bool:
-    return isinstance(p, Partial) and p.reduce_op in ("sum", "avg")
+    return issubclass(type(p), Partial) and p.reduce_op in ("sum", "avg")
 
 
 def _table_for(lab, mesh_dims, specs, labels, ext, rank_key):

@@ -58,7 +58,7 @@ class Reduction:
         return tuple(
             m
             for m, p in enumerate(self.spec.placements)
-            if isinstance(p, Shard) and p.dim in self.dims and mesh.size(m) > 1
+            if issubclass(type(p), Shard) and p.dim in self.dims and mesh.size(m) > 1
         )
 
     @property
@@ -83,9 +83,9 @@ class Reduction:
         new_dim = {d: (d if self.keepdim else i) for i, d in enumerate(kept)}
         placements = []
         for m, p in enumerate(spec.placements):
-            if isinstance(p, Shard) and p.dim in self.dims:
+            if issubclass(type(p), Shard) and p.dim in self.dims:
                 placements.append(reduced if m in self.mesh_dims else Replicate())
-            elif isinstance(p, Shard):
+            elif issubclass(type(p), Shard):
                 placements.append(Shard(new_dim[p.dim]))
             else:
                 placements.append(p)
@@ -100,7 +100,7 @@ class Reduction:
     def grad_spec(self, dtype: torch.dtype):
         """Layout in which a backward needs the output's gradient: kept shards, Replicate elsewhere."""
         out = self.out_spec(dtype)
-        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in out.placements)
+        placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in out.placements)
         return out.with_layout(placements, out.dim_sizes)
 
     def with_kept_dims(self, local: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def propagate(func, args: tuple, kwargs: tuple) -> ReductionPlan:
     packet = func.overloadpacket
     keep = ("sum", "avg") if packet in (aten.sum, aten.mean) else ()
     placements = tuple(
-        Replicate() if isinstance(p, Partial) and p.reduce_op not in keep else p for p in spec.placements
+        Replicate() if issubclass(type(p), Partial) and p.reduce_op not in keep else p for p in spec.placements
     )
     resolved = None if placements == spec.placements else spec.with_layout(placements, spec.dim_sizes)
     steps = list(redistribution_steps(spec, resolved, 0)) if resolved is not None else []

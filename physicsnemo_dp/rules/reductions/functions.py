@@ -53,9 +53,9 @@ def _dims(dim):
 def _resolved(x):
     """``x`` with pending reductions done (differentiably), for backwards that read its values."""
     placements = x._spec.placements
-    if not any(isinstance(p, Partial) for p in placements):
+    if not any(issubclass(type(p), Partial) for p in placements):
         return x
-    return x.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in placements])
+    return x.redistribute(placements=[Replicate() if issubclass(type(p), Partial) else p for p in placements])
 
 
 # --------------------------------------------------------------------------- #

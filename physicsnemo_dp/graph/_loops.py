@@ -43,6 +43,7 @@ plain ``(E,)`` tensor concatenated outside the library) would not be.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import weakref
 from dataclasses import dataclass
 
@@ -148,11 +149,20 @@ def _unambiguous(rows: EdgeRows) -> bool:
     layout is not also the node layout (then a node tensor could not be told from an edge tensor)."""
     if rows.edge_sizes == rows.node_sizes:
         return False
-    same = {
-        g.node_sizes
-        for g in live_graphs()
-        if g.mesh == rows.mesh and g.mesh_dim == rows.mesh_dim and g.edge_sizes == rows.edge_sizes
-    }
+
+    def node_layouts() -> set:
+        return {
+            g.node_sizes
+            for g in live_graphs()
+            if g.mesh == rows.mesh and g.mesh_dim == rows.mesh_dim and g.edge_sizes == rows.edge_sizes
+        }
+
+    same = node_layouts()
+    if len(same) > 1:
+        # graphs sit in reference cycles (their index tensors point back at them), so dropped ones linger until
+        # the cycle collector runs: collect once before calling the match ambiguous
+        gc.collect()
+        same = node_layouts()
     return len(same) == 1
 
 

@@ -38,7 +38,11 @@ def _layer(name: str):
 
 
 def _check_traffic(counter, g, gathers, width):
-    """Forward: ``gathers`` all-to-alls of exactly the ghost rows, ``width`` numbers per ghost in all."""
+    """Forward: ``gathers`` all-to-alls of exactly the ghost rows, ``width`` numbers per ghost in all (none when
+    one rank holds the graph: its reads are local)."""
+    if g.mesh.size(g.mesh_dim) == 1:
+        assert not counter.calls, counter.summary()
+        return
     assert set(counter.calls) == {"all_to_all"} and counter.calls["all_to_all"] == gathers, counter.summary()
     assert counter.bytes_received["all_to_all"] == g.num_ghosts * width * 8
 
@@ -147,7 +151,8 @@ def test_pyg_self_loops_match_one_process(ctx, name):
         if name != "GCNConv-edge_weight":
             # one all-gather of the kept edge counts per mask read (edge_index[:, mask], edge_attr[mask]), then only
             # ghost rows. (GCNConv also writes the input's own self loops' weights into loop_attr: small all-gathers.)
-            assert set(forward.calls) == {"all_gather", "all_to_all"}, forward.summary()
+            one_rank = ctx.mesh.size(g.mesh_dim) == 1  # the graph on one rank: reads are local, no all-to-all
+            assert set(forward.calls) == ({"all_gather"} if one_rank else {"all_gather", "all_to_all"}), forward.summary()
             masks = forward.calls["all_gather"]
             assert masks <= 2 * ctx.mesh.ndim, forward.summary()
             assert forward.bytes_received["all_gather"] <= 8 * ctx.world_size * masks, forward.summary()

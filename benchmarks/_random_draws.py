@@ -4,7 +4,7 @@ A sharded draw evaluates Philox4x32-10 in torch integer ops at the global
 indices of each rank's box (``physicsnemo_dp._philox``); torch's CPU generator
 (Mersenne Twister + a fused kernel) is faster per element but sequential, so
 it cannot give the values of another rank's box. Figures (CPU time of all
-ranks per global element, fastest of interleaved rounds, one intra-op thread
+ranks per global element, median of repetitions of interleaved rounds, one intra-op thread
 per rank):
 
 * ``randn_like`` (float32) and ``F.dropout`` (p = 0.1, float32) on a

@@ -19,8 +19,8 @@ DTensor's base class runs its dispatch in C++ (pytorch#167051) and defines no
 ``__torch_function__``; its weight is distributed once. A floor close to 1.0
 of DTensor leaves no room for the sharding logic itself, which costs a few
 microseconds in Python (ShardTensor: route, promotion of the plain weight,
-plan lookup ~2.5 us). Thread CPU time per call, fastest of interleaved
-batches, one intra-op thread. ``python -m benchmarks.dispatch_floor`` prints
+plan lookup ~2.5 us). Thread CPU time per call, median of
+repetitions of interleaved batches (see :mod:`._timing`), one intra-op thread. ``python -m benchmarks.dispatch_floor`` prints
 the figures (simulated mesh of 2 ranks; nothing moves).
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
@@ -93,7 +94,7 @@ def _bare_pair(cls, local, weight):
 
 
 def floor(mesh, rows: int = 64, cols: int = 32, calls: int = 200, repeats: int = 15) -> dict[str, float]:
-    """Seconds per ``x @ w`` call of: plain torch, DTensor, ShardTensor, and the two bare subclasses."""
+    """Seconds per ``x @ w`` call of: plain torch, DTensor, ShardTensor, and the two bare subclasses (per repetition)."""
     P, device = mesh.size(), mesh_device(mesh)
     gen = torch.Generator().manual_seed(0)
     local = torch.randn(rows, cols, generator=gen).to(device)
@@ -125,8 +126,8 @@ def main() -> None:
 
     with fake_process_group(2, 0):
         times = floor(init_device_mesh("cpu", (2,)))
-    for name, seconds in times.items():
-        print(f"{name:48s} {seconds * 1e6:7.2f} us  {seconds / times['DTensor']:5.2f}x DTensor")
+    for name, seconds in times.items():  # medians of the repetitions
+        print(f"{name:48s} {np.median(seconds) * 1e6:7.2f} us  {np.median(seconds / times['DTensor']):5.2f}x DTensor")
 
 
 if __name__ == "__main__":

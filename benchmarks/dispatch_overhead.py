@@ -5,8 +5,9 @@ The ratio reported is ShardTensor / DTensor on the same even shards (target
 DTensor cannot hold it. No op here communicates, so each figure is the *CPU
 time of the calling thread* (one intra-op thread per rank): unlike wall time
 it does not count the time a process waits for a core, which on a shared
-machine is most of it. Each figure is the fastest of ``repeats`` interleaved
-batches of ``calls`` calls, averaged over ranks.
+machine is most of it. Each figure is the median of three repetitions of
+interleaved batches of ``calls`` calls (``repeats`` batches in all, see
+:mod:`._timing`), averaged over ranks.
 
 ``F.linear`` and ``x @ w`` take a *plain* weight (an ``nn.Parameter``, as in
 a model): ShardTensor promotes it on every call, DTensor gets it distributed
@@ -57,6 +58,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,7 +70,7 @@ from physicsnemo_dp.collectives import mesh_device
 
 from ._models import uneven_sizes
 from ._record import Result, over_ranks
-from ._timing import fastest, repeated
+from ._timing import fastest, repeated, split_rounds
 from .dispatch_floor import floor
 
 SUITE = "dispatch_overhead"
@@ -203,11 +205,13 @@ def _scaling_results(P: int, rows: int, cols: int, calls: int, repeats: int) -> 
     """Per-op time at simulated P = 4096 over P = 4, measured by rank 0 in a fresh process, shared with all ranks."""
     times = {}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        args = [sys.executable, "-m", "benchmarks.dispatch_overhead", "--json", str(rows), str(cols), str(calls), str(repeats)]
+        args = [sys.executable, "-m", "benchmarks.dispatch_overhead", "--json-repetitions", str(rows), str(cols),
+                str(calls), str(repeats)]  # fmt: skip
         times = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     results = []
-    for name in OPS:
-        small, large = (over_ranks(times.get(f"{name}@{w}", 0.0)) for w in SCALING_WORLDS)
+    reps, _ = split_rounds(repeats)
+    for name in OPS:  # per repetition; the other ranks add zeros of the same length
+        small, large = (over_ranks(np.asarray(times.get(f"{name}@{w}", np.zeros(reps)), float)) for w in SCALING_WORLDS)
         results.append(
             Result(SUITE, f"{name}: simulated P={SCALING_WORLDS[1]} / P={SCALING_WORLDS[0]}", P, large, small, "s",
                    ("<=", 1.2))
@@ -216,27 +220,32 @@ def _scaling_results(P: int, rows: int, cols: int, calls: int, repeats: int) -> 
 
 
 def scaling(rows: int = 64, cols: int = 32, calls: int = 200, repeats: int = 15) -> dict[str, float]:
-    """Seconds per call of each op on rank 0 of simulated meshes of :data:`SCALING_WORLDS` ranks.
+    """Seconds per call of each op on rank 0 of simulated meshes of :data:`SCALING_WORLDS` ranks (the median repetition).
 
     Each world is measured in turn in this process (a fake process group per
     world; nothing moves), with uneven shards: rank 0 holds ``rows + 1`` rows,
     the last rank ``rows - 1``, the rest ``rows``. Needs a process without a
     default process group.
     """
+    return {key: float(np.median(reps)) for key, reps in scaling_repetitions(rows, cols, calls, repeats).items()}
+
+
+def scaling_repetitions(rows: int = 64, cols: int = 32, calls: int = 200, repeats: int = 15) -> dict[str, list]:
+    """As :func:`scaling`, every repetition's time (see :mod:`._timing`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from physicsnemo_dp._torch_compat import fake_process_group
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank of the suite runs (one intra-op thread); restored below
+    torch.set_num_threads(1)
     try:
         return _scaling(rows, cols, calls, repeats, fake_process_group, init_device_mesh)
     finally:
         torch.set_num_threads(threads)
 
 
-def _scaling(rows, cols, calls, repeats, fake_process_group, init_device_mesh) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _scaling(rows, cols, calls, repeats, fake_process_group, init_device_mesh) -> dict[str, list]:
+    out: dict[str, np.ndarray] = {}
     for _ in range(2):  # the worlds in turn, twice: a burst of load on the machine hits both alike
         for world in SCALING_WORLDS:
             with fake_process_group(world, 0):
@@ -249,13 +258,15 @@ def _scaling(rows, cols, calls, repeats, fake_process_group, init_device_mesh) -
                 runs = {name: repeated(lambda fn=fn: fn(x, w), calls) for name, fn in OPS.items()}
                 for name, seconds in fastest(runs, repeats, barrier=False, clock=time.thread_time).items():
                     key = f"{name}@{world}"
-                    out[key] = min(out.get(key, float("inf")), seconds / calls)
-    return out
+                    out[key] = np.minimum(out.get(key, np.inf), seconds / calls)  # per repetition
+    return {key: reps.tolist() for key, reps in out.items()}
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--json":
         print(json.dumps(scaling(*(int(a) for a in sys.argv[2:6]))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--json-repetitions":
+        print(json.dumps(scaling_repetitions(*(int(a) for a in sys.argv[2:6]))))
     else:
         for key, seconds in scaling().items():
             print(f"{key:32s} {seconds * 1e6:8.2f} us")

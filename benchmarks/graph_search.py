@@ -13,7 +13,7 @@ for about ``k`` neighbours per point) two figures:
 * **search time / unpruned search** (no target): wall time of the search
   behind ``knn`` / ``radius`` over the same search with pruning off (every
   point sent to every rank, the same kernels: what a ring would compute),
-  fastest of interleaved runs, slowest rank.
+  median of repetitions of interleaved runs, slowest rank.
 
 Nothing moves on one rank, so the suite starts at P = 2.
 """

@@ -26,8 +26,10 @@ pipe, as a training run's consumer keeps one regime. Reported per rank and mode:
   a reader process differ.
 
 All ranks run each measurement at the same time (a barrier before each), as in
-training; each figure is the fastest of ``--epochs`` interleaved epochs after
-a warm-up (see ``benchmarks/_timing.py``). Files live in ``--dir`` and are read
+training; each figure is the median of three interleaved repetitions, each the
+fastest of its share of ``--epochs`` epochs, after a warm-up (see
+``benchmarks/_timing.py``; :func:`measure` returns the repetitions, the
+standalone report prints their medians). Files live in ``--dir`` and are read
 from the page cache, so the figures measure the software path, not the disk.
 Results are printed and written as JSON (``--out``).
 """
@@ -57,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datapipes import DomainDecomposition, DomainPipe, HDF5Fields, Split, aligned_chunks  # noqa: E402
 from datapipes.synthetic import heat_equation, write_hdf5  # noqa: E402
-from benchmarks._timing import fastest, fastest_by  # noqa: E402
+from benchmarks._timing import fastest, fastest_by, split_rounds  # noqa: E402
 
 VARIABLES = ("u0", "u")
 MODES = {"inline": dict(prefetch=0), "thread": dict(prefetch=2, workers="thread"),
@@ -74,7 +76,8 @@ def _args(argv=None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples in each file")
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "chunked"],
                         choices=["contiguous", "chunked", "gzip", "checksummed"])
-    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per measurement (the fastest counts)")
+    parser.add_argument("--epochs", type=int, default=6,
+                        help="timed epochs per measurement, split into 3 repetitions (the median of their fastest counts)")
     parser.add_argument("--step-ms", type=float, default=None,
                         help="simulated training step per batch (default: the bare read time of a batch, times the ranks per core)")
     parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=STEPS,
@@ -145,13 +148,16 @@ def _steady_step(batches, step: tuple) -> float:
 
 
 def _overlap(pipes: dict, memory: list, kinds, step_s: float, other, epochs: int) -> dict:
-    """``{kind: {"memory" or mode: seconds}}``: steady step time on data in memory and with each prefetching pipe.
+    """``{kind: {"memory" or mode: seconds per repetition}}``: steady step time on data in memory and with each
+    prefetching pipe.
 
     ``pipes`` maps ``(mode, kind)`` to the pipe that runs that step kind.
-    Fastest of ``epochs`` interleaved epochs, all ranks starting together.
+    Interleaved epochs, all ranks starting together, in repetitions as
+    :func:`benchmarks._timing.fastest_by` runs them (each keeps its fastest epoch).
     """
+    reps, per_rep = split_rounds(epochs)
     best: dict = {kind: {} for kind in kinds}
-    for round_ in range(epochs + 1):  # the first round warms up
+    for round_ in range(reps * per_rep + 1):  # the first round warms up
         for kind in kinds:
             step = (kind, step_s, other, np.empty(1 << 16))
             sources = {"memory": memory, **{m: p for (m, k), p in pipes.items() if k == kind and m != "inline"}}
@@ -159,7 +165,8 @@ def _overlap(pipes: dict, memory: list, kinds, step_s: float, other, epochs: int
                 dist.barrier()
                 seconds = _steady_step(batches, step)
                 if round_:
-                    best[kind][name] = min(best[kind].get(name, seconds), seconds)
+                    times = best[kind].setdefault(name, np.full(reps, np.inf))
+                    times[(round_ - 1) // per_rep] = min(times[(round_ - 1) // per_rep], seconds)
     return best
 
 
@@ -218,7 +225,7 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
         with h5py.File(path, "r") as f, h5py.File(f"{scratch}.rank{rank}.h5", "r") as other:
             dsets = [f[v] for v in VARIABLES]
             runs = {"bare": partial(_bare_epoch, dsets, buffers, box, samples)}
-            bare = fastest(runs, args.epochs)["bare"]
+            bare = float(np.median(fastest(runs, args.epochs)["bare"]))
             factor = getattr(args, "step_factor", 1.0) * _ranks_per_core(mesh)
             step_s = (args.step_ms / 1000) if args.step_ms is not None else factor * bare / len(samples)
             for (mode, kind), pipe in pipes.items():
@@ -239,7 +246,7 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
         serial = bare + step_s * len(samples)
         row = {"slab_MiB_per_epoch": slab_bytes / 2**20, "bare_s": bare, "bare_MiB_s": slab_bytes / bare / 2**20,
                "bare_cpu_s": cpu["bare"], "step_ms": step_s * 1000,
-               "ideal_speedup_vs_serial": serial / max(bare, step_s * len(samples)), "modes": {}}
+               "ideal_speedup_vs_serial": serial / np.maximum(bare, step_s * len(samples)), "modes": {}}
         for kind in overlap:
             row[f"{kind}_steady_step_memory_ms"] = overlap[kind]["memory"] * 1000
         for mode in MODES:
@@ -260,7 +267,7 @@ def _rank(rank: int, args, paths: dict[str, Path], store: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size,
                            store=dist.FileStore(store, args.world_size), timeout=datetime.timedelta(minutes=10))
     mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("domain",))
-    mine = measure(mesh, args, paths, store)
+    mine = _medians(measure(mesh, args, paths, store))
     everyone = [None] * args.world_size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -269,9 +276,16 @@ def _rank(rank: int, args, paths: dict[str, Path], store: str) -> None:
     dist.destroy_process_group()
 
 
+def _medians(row):
+    """``row`` (nested dicts) with each per-repetition array replaced by its median, for JSON and printing."""
+    if isinstance(row, dict):
+        return {k: _medians(v) for k, v in row.items()}
+    return float(np.median(row)) if isinstance(row, np.ndarray) else row
+
+
 def _report(args, results: dict) -> str:
     lines = [f"{args.world_size} rank(s), {args.samples} samples of {len(VARIABLES)} x {args.size}^2 float32, "
-             f"fastest of {args.epochs} epochs, files in the page cache"]
+             f"median of 3 repetitions of {args.epochs} epochs in all, files in the page cache"]
     for layout in args.layouts:
         lines.append(f"\n{layout}:")
         steps = " ".join(f"{kind + ' x':>9}" for kind in args.steps)

@@ -16,7 +16,14 @@ two clocks: wall time, and CPU time of the rank and its reader process
 together (which does not depend on how busy the machine is).
 
 Files are written by rank 0 to a temporary directory that every rank must see
-(one machine; on several nodes point ``TMPDIR`` at a shared file system).
+(one machine; on several nodes point ``TMPDIR`` at a shared file system), and
+flushed (``os.sync``) before any timing: the kernel otherwise writes the
+512 MiB back to disk while the first layout is measured, which took its
+pipe / bare ratios down by about 0.1 at P = 1 (0.88 -> 0.92-0.97 for the
+contiguous file, the one measured first, in the same conditions).
+
+Every figure is the median of three interleaved repetitions (see
+``benchmarks/_timing.py``): ``epochs`` is split among them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,6 +63,7 @@ def _files(P: int, size: int, samples: int) -> tuple[Path, dict[str, Path]]:
         directory = Path(tempfile.mkdtemp(prefix="io_suite-"))
         layout = argparse.Namespace(world_size=P, size=size, samples=samples, layouts=list(_LAYOUTS))
         shared = [(directory, io_bench._write_files(layout, directory))]
+        os.sync()  # the files' writeback to disk must not run during the measurement (see the module docstring)
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 

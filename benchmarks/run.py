@@ -8,7 +8,9 @@
 Ranks are started with :func:`physicsnemo_dp.launch`, once per world size; every
 suite module (``SUITES``) runs on every rank. Every figure is a ratio to a
 baseline measured in the same run: absolute times on a shared machine are
-noise. See ``benchmarks/README.md``.
+noise. A timed figure is the median ratio of three interleaved repetitions,
+printed and stored with its spread (see ``benchmarks/_timing.py``). See
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -90,6 +92,14 @@ def _plot(results: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def _spread(result: dict) -> str:
+    """`` [min-max of N]`` of a timed figure's per-repetition ratios (its ratio is their median); empty for counts."""
+    if not result.get("spread"):
+        return ""
+    low, high = result["spread"]
+    return f" [{low:.3f}-{high:.3f} of {result['repetitions']}]"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="physicsnemo_dp benchmark suite")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks"), help="report folder")
@@ -141,7 +151,7 @@ def main(argv=None) -> int:
     for r in results:
         flag = {True: "ok  ", False: "MISS", None: "    "}[r["met"]]
         size = "" if r.get("local_size") is None else f" (local {r['local_size']})"
-        print(f"{flag} {r['suite']:<18} P={r['world_size']} {r['case'] + size:<48} ratio {r['ratio']:.3f}")
+        print(f"{flag} {r['suite']:<18} P={r['world_size']} {r['case'] + size:<48} ratio {r['ratio']:.3f}{_spread(r)}")
     print(f"report: {args.out / 'report.json'}; plots: {', '.join(str(p) for p in plots)}")
     return 0
 

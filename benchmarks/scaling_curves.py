@@ -3,8 +3,8 @@
 For every model and every local size ``n`` (the extent of the sharded dim
 each rank holds), one forward + backward step runs on ``P`` ranks holding
 ``n`` each (global extent ``n * P``) and, as the baseline, on one device
-holding the whole global input, interleaved in the same process (fastest of
-``rounds``, see :mod:`._timing`). The figure is the strong-scaling parallel
+holding the whole global input, interleaved in the same process (median of
+repetitions of ``rounds`` runs, see :mod:`._timing`). The figure is the strong-scaling parallel
 efficiency at that global size:
 
     efficiency = single-device work / (P x per-rank work)

@@ -7,7 +7,7 @@ run, is the same redistribution with ``PDP_STALL_SECONDS=0`` (one plain
 ``wait``, which is what the backend's blocking call does inside). Small
 tensors show the fixed cost per collective, large ones that the data path is
 untouched. Wall time and CPU time (this process, all threads) per call,
-fastest of interleaved rounds, all ranks started together: on a shared
+median of repetitions of interleaved rounds (see ``benchmarks/_timing.py``), all ranks started together: on a shared
 machine the CPU ratio is the steadier figure. The fixed cost itself is
 timed apart, on one rank where the collective is trivial: CPU time of the
 calling thread to post and wait for a 16-float all-reduce, plain ``wait``
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
@@ -51,7 +52,7 @@ def _measure(mesh, rounds: int = 15) -> dict[str, tuple[float, float]]:
         move = repeated(lambda x=x, target=target: x.redistribute(placements=target), calls)
         runs = {"off": _with_stall_check(False, move), "on": _with_stall_check(True, move)}
         best = fastest_by(runs, rounds, (time.perf_counter, time.process_time))
-        ratios[name] = tuple(on / off for on, off in zip(best["on"], best["off"]))
+        ratios[name] = tuple(float(np.median(on / off)) for on, off in zip(best["on"], best["off"]))  # fmt: skip
     os.environ.pop("PDP_STALL_SECONDS", None)
     return ratios
 
@@ -68,7 +69,7 @@ def _fixed_cost(mesh, calls: int = 3000, rounds: int = 7) -> dict[str, float]:
         "stall-check wait": lambda: _stall.wait(dist.all_reduce(t, async_op=True), group, "all_reduce"),
     }
     best = fastest_by({name: repeated(fn, calls) for name, fn in waits.items()}, rounds, (time.thread_time,))
-    return {name: b[0] / calls * 1e6 for name, b in best.items()}
+    return {name: float(np.median(b[0])) / calls * 1e6 for name, b in best.items()}
 
 
 def main() -> None:

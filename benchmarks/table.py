@@ -5,7 +5,9 @@
 ``benchmarks.run`` writes the same table as ``table.md`` beside ``report.json``;
 the "Figures on this machine" table of ``benchmarks/README.md`` is pasted from
 it, so the README's numbers come from one run and say which. A ratio that
-misses its target is in bold; one that rounds to its bound gets a third decimal. Points of a scaling curve (figures with a local
+misses its target is in bold; one that rounds to its bound gets a third decimal. A timed
+figure is the median of interleaved repetitions, followed by the range of the
+repetitions' ratios in parentheses (see ``benchmarks/_timing.py``). Points of a scaling curve (figures with a local
 size) are left out: their plots show them.
 """
 
@@ -22,7 +24,11 @@ def _cell(result: dict | None) -> str:
     text = f"{result['ratio']:.2f}"
     if result["target"] and float(text) == result["target"][1]:  # 1.201 against <= 1.2: show which side
         text = f"{result['ratio']:.3f}"
-    return f"**{text}**" if result["met"] is False else text
+    text = f"**{text}**" if result["met"] is False else text
+    if result.get("spread"):  # a timing: the median of repetitions, then their range
+        low, high = result["spread"]
+        text += f" ({low:.2f}–{high:.2f})"
+    return text
 
 
 def markdown(report: dict) -> str:
@@ -39,7 +45,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"torch {meta['torch']}, backend {meta['backend']}, {meta['cpus']} CPUs, world sizes "
         f"{' '.join(map(str, worlds))}{sizes}; {meta['seconds']:.0f} s; load average at the end {load}. "
-        "Bold: the target is missed.",
+        "Bold: the target is missed. Timings: the median of interleaved repetitions (their range in parentheses).",
         "",
         "| suite | figure | target | " + " | ".join(f"P={w}" for w in worlds) + " |",
         "|---|---|---|" + "---|" * len(worlds),

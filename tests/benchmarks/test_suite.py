@@ -56,6 +56,59 @@ def test_every_suite_reports_at_every_world_size_and_has_a_plot(report):
     assert meta["world_sizes"] == list(WORLD_SIZES) and meta["tiny"] and meta["compare_dtensor"]
 
 
+TIME_UNITS = {"s", "ms", "MiB/s", "MiB per CPU s"}
+ONCE = {"mesh_prepare"}  # a whole mesh preparation timed once (no target on its times): see benchmarks/README.md
+
+
+def test_every_timing_is_the_median_of_at_least_three_interleaved_repetitions_with_its_spread(report):
+    """Issue 30.5: the ratio reported and judged is the median of the repetitions' ratios, the spread their range."""
+    import statistics
+
+    _, data = report
+    timed = [r for r in data["results"] if r["unit"] in TIME_UNITS and r["suite"] not in ONCE]
+    assert {r["suite"] for r in timed} >= {"io", "throughput_scaling", "dispatch_overhead", "scaling_curves"}
+    for r in timed:
+        assert r["repetitions"] >= 3 and len(r["ratios"]) == r["repetitions"], r
+        low, high = r["spread"]
+        assert (low, high) == (min(r["ratios"]), max(r["ratios"])), r
+        assert low <= r["ratio"] <= high and r["ratio"] == statistics.median(r["ratios"]), r
+        if r["target"] is not None:  # judged on the median, not on the best repetition
+            op, bound = r["target"]
+            assert r["met"] == (r["ratio"] <= bound if op == "<=" else r["ratio"] >= bound), r
+    for r in data["results"]:
+        if r["unit"] not in TIME_UNITS:  # exact counts (bytes, points, messages): one value, no spread
+            assert r["spread"] is None and r["ratios"] is None, r
+
+
+def test_a_result_judges_the_median_repetition_not_the_best_or_the_mean():
+    from benchmarks._record import Result
+
+    r = Result("s", "c", 1, [1.0, 2.0, 30.0], [1.0, 1.0, 1.0], "s", ("<=", 1.5))
+    assert r.ratios == [1.0, 2.0, 30.0] and r.ratio == 2.0 and r.spread == (1.0, 30.0)
+    assert r.met is False  # the best repetition (1.0) meets the target, the median does not
+    assert Result("s", "c", 1, [1.0, 1.4, 30.0], 1.0, "s", ("<=", 1.5)).met  # the mean (10.8) would miss
+    ge = Result("s", "c", 1, [9.0, 8.0, 1.0], [10.0, 10.0, 10.0], "MiB/s", (">=", 0.85))  # throughput: higher is better
+    assert ge.ratio == 0.8 and ge.met is False and ge.as_dict()["spread"] == [0.1, 0.9]
+    exact = Result("s", "c", 1, 3, 4, "bytes")
+    assert exact.ratio == 0.75 and exact.spread is None and exact.as_dict()["repetitions"] is None
+    with pytest.raises(ValueError, match="one entry per repetition"):
+        Result("s", "c", 1, [1.0, 2.0, 3.0], [1.0, 2.0], "s")
+
+
+def test_fastest_by_keeps_the_fastest_round_of_each_interleaved_repetition():
+    from benchmarks import _timing
+
+    now = [0.0]
+    durations = iter([99.0, 50.0] + [3.0, 1.0, 2.0, 1.0] + [1.0, 1.0, 5.0, 2.0] + [9.0, 4.0, 8.0, 4.0])
+
+    def run():  # each call advances the fake clock: warm-up round, then 3 repetitions of 2 rounds, a and b in turn
+        now[0] += next(durations)
+
+    times = _timing.fastest_by({"a": run, "b": run}, 6, [lambda: now[0]], barrier=False, repetitions=3)
+    assert times["a"][0].tolist() == [2.0, 1.0, 8.0] and times["b"][0].tolist() == [1.0, 1.0, 4.0]
+    assert _timing.split_rounds(1) == (_timing.REPETITIONS, 1) and _timing.REPETITIONS >= 3
+
+
 def test_the_cases_the_issue_asks_for_are_measured(report):
     _, data = report
     cases = {(r["suite"], r["world_size"], r["case"]) for r in data["results"]}
@@ -142,3 +195,5 @@ def test_table_cells_show_which_side_of_the_bound_a_ratio_is():
     assert _cell({"ratio": 0.904, "target": [">=", 0.9], "met": True}) == "0.904"
     assert _cell({"ratio": 0.5, "target": None, "met": None}) == "0.50"
     assert _cell(None) == "–"
+    timed = {"ratio": 1.1, "target": ["<=", 1.05], "met": False, "spread": [1.02, 1.3]}  # median, then the range
+    assert _cell(timed) == "**1.10** (1.02–1.30)"

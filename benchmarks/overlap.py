@@ -21,31 +21,33 @@ whole forward + backward steps, and reported over the step's wall time.
   existed), against each hop waited for as soon as it is posted
   (``overlap("off")``). Target: after <= 0.8 x before (P >= 2).
 
-Each figure is the median over the rounds of each rank's figure, averaged
-over ranks. On this CPU machine gloo's transport threads share the two cores
+Each figure is the median of three repetitions (consecutive groups of the
+interleaved rounds), each the median over its rounds of each rank's figure,
+averaged over ranks. On this CPU machine gloo's transport threads share the two cores
 with the ranks, so a wait also holds the time a peer needs to reach the same
 exchange (its skew) and the transfer itself.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
+import numpy as np
 import torch.distributed as dist
 
 from physicsnemo_dp.collectives import overlap, wait_clock
 
 from . import _models
 from ._record import Result, over_ranks
+from ._timing import REPETITIONS
 
 SUITE = "overlap"
 
 
 def sizes(tiny: bool, scale: float) -> dict:
     if tiny:
-        return dict(rows=16, width=4, seq=32, dim=16, rounds=1)
-    return dict(rows=int(64 * scale), width=16, seq=int(1024 * scale), dim=64, rounds=5)
+        return dict(rows=16, width=4, seq=32, dim=16, rounds=REPETITIONS)
+    return dict(rows=int(64 * scale), width=16, seq=int(1024 * scale), dim=64, rounds=2 * REPETITIONS)
 
 
 def _timed(step) -> tuple[float, float, dict]:
@@ -59,11 +61,13 @@ def _timed(step) -> tuple[float, float, dict]:
     return clock.total, seconds, dict(clock.seconds)
 
 
-def _medians(samples: list) -> tuple[float, float]:
-    """``(wait, step)``: each rank's median over rounds, averaged over ranks."""
+def _medians(samples: list) -> tuple[np.ndarray, np.ndarray]:
+    """``(wait, step)`` per repetition: the rounds split into :data:`~._timing.REPETITIONS` consecutive groups
+    (interleaved between the modes), each rank's median over a group's rounds, averaged over ranks."""
     P = dist.get_world_size() if dist.is_initialized() else 1
-    wait = statistics.median(s[0] for s in samples)
-    step = statistics.median(s[1] for s in samples)
+    groups = [g for g in np.array_split(np.asarray(samples, float), REPETITIONS) if len(g)]
+    wait = np.array([np.median(g[:, 0]) for g in groups])
+    step = np.array([np.median(g[:, 1]) for g in groups])
     return over_ranks(wait) / P, over_ranks(step) / P
 
 

@@ -56,7 +56,7 @@ def test_every_suite_reports_at_every_world_size_and_has_a_plot(report):
     assert meta["world_sizes"] == list(WORLD_SIZES) and meta["tiny"] and meta["compare_dtensor"]
 
 
-TIME_UNITS = {"s", "ms", "MiB/s", "MiB per CPU s"}
+TIME_UNITS = {"s", "s/s", "ms", "MiB/s", "MiB per CPU s"}
 ONCE = {"mesh_prepare"}  # a whole mesh preparation timed once (no target on its times): see benchmarks/README.md
 
 

@@ -43,7 +43,7 @@ from ..rules import indexing
 from ..rules.indexing.functions import _default
 from ._aggregate import aggregate, eligible
 from ._graph import GraphIndex, graph_of
-from ._loops import edge_index_graph, edge_mask_of, join, mark_mask, masked_graph, tag_masked
+from ._loops import edge_index_graph, edge_mask_of, join, mark_comparison, mark_mask, masked_graph, tag_masked
 from ._requests import RequestRead, gatherable, request_read, requestable
 from ._rows import GraphRows, graph_rows
 from ._scatter import plain_write, request_scatter, scatterable
@@ -206,6 +206,15 @@ def _functions():
                 return out
         return _default(func, args, kwargs)
 
+    def comparison(func, types, args, kwargs):
+        out = _default(func, args, kwargs)
+        for t in args[:2]:
+            gi = graph_of(t)
+            if gi is not None:
+                mark_comparison(out, gi.graph)
+                break
+        return out
+
     table = {
         torch.Tensor.index_add_: plain_target("index_add"),
         torch.Tensor.scatter_add_: plain_target("scatter_add"),
@@ -214,6 +223,7 @@ def _functions():
     }
     for funcs, handler in (
         ((torch.cat, torch.concat, torch.concatenate), cat),
+        ((torch.ne, torch.eq, torch.Tensor.ne, torch.Tensor.eq, torch.Tensor.__ne__, torch.Tensor.__eq__), comparison),
         ((torch.nn.functional.embedding,), embedding),
         ((torch.Tensor.__getitem__,), getitem),
         ((torch.index_select, torch.Tensor.index_select), index_select),

@@ -70,6 +70,7 @@ __all__ = [
 
 _ROWS = "_pdp_edge_rows"  # storage attribute: the EdgeRows of a masked edge tensor
 _MASK = "_pdp_mask_rows"  # storage attribute of a mask: the EdgeRows of the edge list it masked
+_SOURCE = "_pdp_mask_graph"  # storage attribute of a comparison of a graph's src/dst rows: (a weakref to) the graph
 
 
 @dataclass(frozen=True)
@@ -199,13 +200,24 @@ def tag_masked(out, mask) -> None:
     if known is not None and _only_sharded(spec, known.mesh_dim, 0) and spec.dim_sizes[0] == known.edge_sizes:
         setattr(out._local_tensor.untyped_storage(), _ROWS, known)
         return
-    graphs = _edge_mask_graphs(mask)
-    if not graphs or not _unambiguous(EdgeRows.of(graphs[0])):
-        return
-    g = graphs[0]
+    source = getattr(mask._local_tensor.untyped_storage(), _SOURCE, None)
+    g = source() if source is not None else None
+    if g is None or edge_mask_of(mask, g) is None:
+        graphs = _edge_mask_graphs(mask)
+        if not graphs or not _unambiguous(EdgeRows.of(graphs[0])):
+            return
+        g = graphs[0]
     if spec.mesh == g.mesh and _only_sharded(spec, g.mesh_dim, 0):
         rows = EdgeRows(g.mesh, g.mesh_dim, tuple(spec.dim_sizes[0]), g.node_sizes)
         setattr(out._local_tensor.untyped_storage(), _ROWS, rows)
+
+
+def mark_comparison(out, graph: ShardedGraph) -> None:
+    """Remember on ``out`` (a comparison of ``graph``'s ``src`` / ``dst`` rows, e.g. PyG's
+    ``edge_index[0] != edge_index[1]``) the graph whose edge layout it has, so a tensor masked with it is known
+    as that graph's edge rows without matching layouts against every live graph."""
+    if isinstance(out, shard_tensor_cls()) and out.dtype == torch.bool and edge_mask_of(out, graph) is not None:
+        setattr(out._local_tensor.untyped_storage(), _SOURCE, weakref.ref(graph))
 
 
 def mark_mask(mask, derived: ShardedGraph) -> None:

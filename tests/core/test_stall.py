@@ -64,10 +64,19 @@ def _from_local_wrong_on_rank_one(mesh, mode):
     return None
 
 
+def _with_one_second_slices(mesh, fn, *args):
+    """Rank body: ``fn`` with 1 s stall-check slices. Set here, not in the caller: ranks start from a fork server
+    whose environment was fixed when it started (by an earlier test of the session, maybe)."""
+    import os
+
+    os.environ["PDP_STALL_SECONDS"] = "1"
+    return fn(mesh, *args)
+
+
 def _run(monkeypatch, fn, *args):
     monkeypatch.setenv("PDP_STALL_SECONDS", "1")
     start = time.monotonic()
-    messages = launch(fn, 3, args=args, timeout=90, return_all=True, echo=False)
+    messages = launch(_with_one_second_slices, 3, args=(fn, *args), timeout=90, return_all=True, echo=False)
     return messages, time.monotonic() - start
 
 

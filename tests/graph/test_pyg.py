@@ -127,6 +127,8 @@ def test_pyg_self_loops_match_one_process(ctx, name):
     graphs), so no mask can be matched by its layout alone: a comparison of the graph's rows must carry its graph.
     """
     if name.endswith("-crowded"):
+        if ctx.mesh.ndim != 2:
+            pytest.skip("the crowded variant runs on the 2x2 mesh (where the full suite's cached graphs hit it)")
         from physicsnemo_dp.graph import _loops
 
         unambiguous, _loops._unambiguous = _loops._unambiguous, lambda rows: False

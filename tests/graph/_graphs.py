@@ -88,3 +88,13 @@ def with_self_loops(case: Case) -> Case:
     ids = torch.arange(case.num_nodes)
     return Case(case.num_nodes, torch.cat([case.src, ids]), torch.cat([case.dst, ids]),
                 torch.cat([case.giver, case.owner(ids)]), case.node_sizes, case.mesh_dim, case.group, case.me)
+
+
+def shard_rows(mesh, full, mesh_dim, sizes):
+    """This rank's rows of ``full`` as a ShardTensor, dim 0 sharded over ``mesh_dim`` with ``sizes`` (uneven,
+    empty shards allowed), every other mesh dim replicated."""
+    placements = [Shard(0) if m == mesh_dim else Replicate() for m in range(mesh.ndim)]
+    coord = mesh.get_coordinate()[mesh_dim]
+    start = sum(sizes[:coord])
+    shapes = {mesh_dim: [(s, *full.shape[1:]) for s in sizes]}
+    return ShardTensor.from_local(full[start : start + sizes[coord]].clone(), mesh, placements, sharding_shapes=shapes)

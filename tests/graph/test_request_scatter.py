@@ -19,19 +19,11 @@ from physicsnemo_dp.debug import count_collectives
 from physicsnemo_dp.split import chunk_sizes
 from tests._harness import distributed
 
-from ._graphs import node_mesh_dim
+from ._graphs import node_mesh_dim, shard_rows as _shard
 
 N, FEAT, L = 11, 3, 17
 X_SIZES = {1: (11,), 2: (4, 7), 3: (5, 0, 6), 4: (4, 0, 3, 4)}
 I_SIZES = {1: (17,), 2: (9, 8), 3: (0, 10, 7), 4: (6, 5, 0, 6)}
-
-
-def _shard(mesh, full, mesh_dim, sizes):
-    placements = [Shard(0) if m == mesh_dim else Replicate() for m in range(mesh.ndim)]
-    coord = mesh.get_coordinate()[mesh_dim]
-    start = sum(sizes[:coord])
-    shapes = {mesh_dim: [(s, *full.shape[1:]) for s in sizes]}
-    return ShardTensor.from_local(full[start : start + sizes[coord]].clone(), mesh, placements, sharding_shapes=shapes)
 
 
 # torch_scatter's python scatter_sum / scatter_mean, as written there

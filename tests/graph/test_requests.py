@@ -12,14 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import physicsnemo_dp
 from physicsnemo_dp import ShardTensor
 from physicsnemo_dp.debug import count_collectives
 from tests._harness import distributed
 
-from ._graphs import node_mesh_dim
+from ._graphs import node_mesh_dim, shard_rows as _shard
 
 N, FEAT, L = 11, 3, 17
 X_SIZES = {1: (11,), 2: (4, 7), 3: (5, 0, 6), 4: (4, 0, 3, 4)}
@@ -29,14 +28,6 @@ OPS = {
     "index_select": lambda x, i: x.index_select(0, i),
     "embedding": lambda x, i: F.embedding(i, x),
 }
-
-
-def _shard(mesh, full, mesh_dim, sizes):
-    placements = [Shard(0) if m == mesh_dim else Replicate() for m in range(mesh.ndim)]
-    coord = mesh.get_coordinate()[mesh_dim]
-    start = sum(sizes[:coord])
-    shapes = {mesh_dim: [(s, *full.shape[1:]) for s in sizes]}
-    return ShardTensor.from_local(full[start : start + sizes[coord]].clone(), mesh, placements, sharding_shapes=shapes)
 
 
 def _expected_bytes(idx_full, i_sizes, x_sizes, me, mine):

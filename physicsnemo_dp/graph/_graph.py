@@ -41,7 +41,7 @@ from .._torch_compat import torch_function_disabled
 from ..errors import PlacementError
 from ..rule_kit import shard_tensor_cls, wrap
 
-__all__ = ["ShardedGraph", "graph_of", "live_graphs"]
+__all__ = ["ShardedGraph", "graph_of", "tagged_graph", "live_graphs"]
 
 _ATTR = "_pdp_sharded_graph"
 _LIVE: "weakref.WeakSet[ShardedGraph]" = weakref.WeakSet()  # every graph alive (edge layouts of masks and joins)
@@ -225,13 +225,18 @@ class GraphIndex:
         return rows.reshape((-1,) + (1,) * (local.ndim - 1)).expand(local.shape)
 
 
+def tagged_graph(t) -> ShardedGraph | None:
+    """The live graph whose index buffer ``t``'s local storage is (any view of it), else None."""
+    if not isinstance(t, shard_tensor_cls()):
+        return None
+    ref = getattr(t._local_tensor.untyped_storage(), _ATTR, None)
+    return ref() if ref is not None else None
+
+
 def graph_of(index) -> GraphIndex | None:
     """The graph row that ``index`` shows, or None for any other index (see the module docstring)."""
-    if not isinstance(index, shard_tensor_cls()):
-        return None
-    local = index._local_tensor
-    ref = getattr(local.untyped_storage(), _ATTR, None)
-    graph = ref() if ref is not None else None
+    graph = tagged_graph(index)
+    local = index._local_tensor if graph is not None else None
     if graph is None or local.ndim == 0:
         return None
     n = graph.num_local_edges

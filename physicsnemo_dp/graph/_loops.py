@@ -54,7 +54,7 @@ from .. import _mesh_order
 from .._torch_compat import Function
 from ..rule_kit import normalize_dim, shard_tensor_cls, to_layout, wrap
 from ..errors import PlacementError
-from ._graph import _ATTR, ShardedGraph, live_graphs
+from ._graph import _ATTR, ShardedGraph, live_graphs, tagged_graph
 
 __all__ = [
     "EdgeRows",
@@ -105,13 +105,10 @@ def _replicated(spec) -> bool:
 # --------------------------------------------------------------------------- #
 def edge_index_graph(t) -> ShardedGraph | None:
     """The graph whose ``edge_index`` ``t`` is (the whole ``(2, E)`` view), else None."""
-    if not isinstance(t, shard_tensor_cls()):
+    graph = tagged_graph(t)
+    if graph is None or t._local_tensor.ndim != 2:
         return None
     local = t._local_tensor
-    ref = getattr(local.untyped_storage(), _ATTR, None)
-    graph = ref() if ref is not None else None
-    if graph is None or local.ndim != 2:
-        return None
     n = graph.num_local_edges
     if local.storage_offset() != 0 or tuple(local.shape) != (2, n) or (n and local.stride() != (n + 1, 1)):
         return None

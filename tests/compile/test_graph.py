@@ -42,24 +42,23 @@ def test_message_passing_compiles_without_graph_breaks(ctx):
     torch.manual_seed(5)
     lin = torch.nn.Linear(2 * F, F, dtype=torch.float64)
 
-    def layers(lin, x, src, dst, how):
-        return message_passing(x, src, dst, lin, how)
+    def layers(lin, x, src, dst):  # every form in one graph: one compilation
+        return tuple(message_passing(x, src, dst, lin, how) for how in HOWS)
 
-    for how in HOWS:
-        torch._dynamo.reset()
-        counter = CompileCounterWithBackend("aot_eager")
-        step = torch.compile(layers, backend=counter, fullgraph=True)
-        compiled_lin = copy.deepcopy(lin)
-        for call in range(2):  # the second call, with other values, must reuse the graph
-            values = x_full * (1 + call)
-            eager_lin = copy.deepcopy(compiled_lin)
-            eager_x = [case.shard_nodes(ctx.mesh, values).requires_grad_()]
-            eager = run(lambda m, x: layers(m, x, g.src, g.dst, how), eager_lin, eager_x)
-            xs = [case.shard_nodes(ctx.mesh, values).requires_grad_()]
-            compiled_lin.zero_grad()
-            outs = run(lambda m, x: step(m, x, g.src, g.dst, how), compiled_lin, xs)
-            assert_same(f"{how} call {call}", torch.float64, outs, eager, xs, eager_x, compiled_lin, eager_lin)
-        assert counter.frame_count == 1, f"{how}: {counter.frame_count} graphs for two calls"
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(layers, backend=counter, fullgraph=True)
+    compiled_lin = copy.deepcopy(lin)
+    for call in range(2):  # the second call, with other values, must reuse the graph
+        values = x_full * (1 + call)
+        compiled_lin.zero_grad()
+        eager_lin = copy.deepcopy(compiled_lin)
+        eager_x = [case.shard_nodes(ctx.mesh, values).requires_grad_()]
+        eager = run(lambda m, x: layers(m, x, g.src, g.dst), eager_lin, eager_x)
+        xs = [case.shard_nodes(ctx.mesh, values).requires_grad_()]
+        outs = run(lambda m, x: step(m, x, g.src, g.dst), compiled_lin, xs)
+        assert_same(f"{HOWS} call {call}", torch.float64, outs, eager, xs, eager_x, compiled_lin, eager_lin)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for two calls"
     torch._dynamo.reset()
 
 
@@ -85,11 +84,11 @@ def test_meshgraphnet_step_is_one_graph(ctx):
     before = compile_counts()
     compiled_net = copy.deepcopy(net)
     for call in range(2):
+        compiled_net.zero_grad()
         eager_net = copy.deepcopy(compiled_net)
         inputs = [[t.detach().double() * (1 + call) for t in (x, e)] for _ in range(2)]
         for t in inputs[0] + inputs[1]:
             t.requires_grad_()
-        compiled_net.zero_grad()
         eager = run(loss, eager_net, inputs[0])
         outs = run(step, compiled_net, inputs[1])
         assert_same(

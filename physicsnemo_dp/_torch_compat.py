@@ -479,6 +479,8 @@ def fused_cpu_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: f
 
 def traced(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a stand-in that torch.compile traces with (fake or functional), not data."""
+    if type(tensor) is torch.Tensor:  # the eager case, fast: a plain Tensor is a stand-in only as a C++ functional wrapper
+        return torch._is_functional_tensor(tensor)
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(tensor) or torch._is_functional_tensor(tensor)
@@ -530,7 +532,12 @@ def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """
     if not traced(like):
         return table.to(like.device)
-    return torch.tensor(table.tolist(), dtype=table.dtype, device=like.device).reshape(table.shape)
+    # Made outside the tracing modes, then lifted (what ``torch.tensor`` does): inside a subclass's
+    # __torch_dispatch__ the Conjugate/Negative keys are excluded and ``torch.tensor`` itself fails under
+    # fake tensors (its internal ``resolve_conj`` reaches the fake mode with a real tensor).
+    with real_tensors():
+        real = table.to(like.device, copy=True)
+    return torch.ops.aten.lift_fresh.default(real)
 
 
 def assert_in_graph(condition: torch.Tensor, message: str) -> None:

@@ -37,6 +37,44 @@ def shard_tensor_cls():
     return _SHARD_TENSOR_CLS
 
 
+# Names of attributes that code below the class keeps on a local tensor's untyped storage and that must
+# survive torch.compile's tracing (see :func:`carry_storage_tag`). Filled at import by the modules that own them.
+_CARRIED_STORAGE_TAGS: list = []
+
+
+def carry_storage_tag(name: str) -> None:
+    """Make the storage attribute ``name`` travel with a ShardTensor through torch.compile's tracing.
+
+    Eagerly a view of a local tensor shares its storage, so an attribute set on
+    ``local.untyped_storage()`` is seen through every view (the graphs find
+    their index tensors this way). While torch.compile traces, the local
+    tensors are fake or functional stand-ins with storages of their own: the
+    ShardTensor's ``__tensor_flatten__`` context carries the attribute's value
+    and ``__tensor_unflatten__`` sets it on the stand-in's storage, which the
+    stand-in's views share too. The value is compared in Dynamo's guards
+    (``==``): keep it small and hashable (e.g. a ``weakref.ref``). Called once
+    per name, at import.
+    """
+    if name not in _CARRIED_STORAGE_TAGS:
+        _CARRIED_STORAGE_TAGS.append(name)
+
+
+def storage_tags(local: torch.Tensor) -> tuple:
+    """``((name, value), ...)`` of the carried attributes set on ``local``'s storage (flatten context)."""
+    if not _CARRIED_STORAGE_TAGS:
+        return ()
+    storage = local.untyped_storage()
+    return tuple((n, v) for n in _CARRIED_STORAGE_TAGS if (v := getattr(storage, n, None)) is not None)
+
+
+def restore_storage_tags(local: torch.Tensor, tags: tuple) -> None:
+    """Set the carried attributes ``tags`` (from :func:`storage_tags`) on ``local``'s storage."""
+    if tags:
+        storage = local.untyped_storage()
+        for name, value in tags:
+            setattr(storage, name, value)
+
+
 def bind_args(func, args, kwargs) -> dict:
     """Arguments of an ATen call by schema name: positional, then keywords, then defaults (None if none)."""
     bound = {}

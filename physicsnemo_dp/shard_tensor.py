@@ -37,7 +37,7 @@ from .dispatch import registry
 from .dispatch.torch_dispatch import handle_torch_dispatch
 from .dispatch.torch_function import handle_torch_function, patches_enabled, set_patches_enabled
 from .errors import PlacementError
-from .rule_kit import _register_shard_tensor_cls, plain_gradient
+from .rule_kit import _register_shard_tensor_cls, plain_gradient, restore_storage_tags, storage_tags
 from .spec import ShardTensorSpec
 
 __all__ = ["ShardTensor"]
@@ -109,13 +109,17 @@ class ShardTensor(torch.Tensor):
         grad += ", requires_grad=True" if self.requires_grad and not grad else ""
         return f"ShardTensor(local={self._local_tensor}, spec={self._spec}{grad})"
 
+    # The context also carries the tags kept on the local tensor's storage (rule_kit.carry_storage_tag: a
+    # graph's index buffer), which tracing's fake and functional stand-ins would otherwise lose.
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad)
+        return ["_local_tensor"], (self._spec, self.requires_grad, storage_tags(self._local_tensor))
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        spec, requires_grad = meta
-        return ShardTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+        spec, requires_grad, tags = meta
+        local = inner_tensors["_local_tensor"]
+        restore_storage_tags(local, tags)
+        return ShardTensor(local, spec, requires_grad=requires_grad)
 
     # torch.compile traces the backward ahead of time and must guess each
     # tangent's layout. The guess is the gradient layout (Partial read as
@@ -128,7 +132,7 @@ class ShardTensor(torch.Tensor):
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         if expected_type is not None and expected_type is not type(self):
             return None
-        spec, _ = flatten_spec
+        spec = flatten_spec[0]
         return self if spec == self._spec else _relayout(self, spec)
 
     def _stable_hash_for_caching(self) -> str:

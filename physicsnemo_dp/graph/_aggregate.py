@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..rule_kit import normalize_dim, resolve_partial, shard_tensor_cls, wrap
 from ._graph import GraphIndex, graph_of
+from ._requests import table
 
 __all__ = ["aggregate"]
 
@@ -85,7 +86,7 @@ def aggregate(gi: GraphIndex, kind: str, x, index, src, *, in_place: bool, **opt
     if not in_place or out is not x._local_tensor:
         out = out.clone()
     msg = _edge_local(src, graph, "the messages (src)") if isinstance(src, torch.Tensor) else src
-    idx = graph.dst_local if kind == "index_add" else gi.local_dst(index._local_tensor)
+    idx = table(graph.dst_local, out) if kind == "index_add" else gi.local_dst(index._local_tensor)
     if kind == "index_add":
         out.index_add_(0, idx, msg, **options)
     elif kind == "scatter_add":

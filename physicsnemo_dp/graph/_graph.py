@@ -39,11 +39,12 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from .. import _layout, _mesh_order
 from .._torch_compat import torch_function_disabled
 from ..errors import PlacementError
-from ..rule_kit import shard_tensor_cls, wrap
+from ..rule_kit import carry_storage_tag, shard_tensor_cls, wrap
 
 __all__ = ["ShardedGraph", "graph_of", "tagged_graph", "live_graphs"]
 
 _ATTR = "_pdp_sharded_graph"
+carry_storage_tag(_ATTR)  # torch.compile's stand-ins of the index tensors keep their graph
 _LIVE: "weakref.WeakSet[ShardedGraph]" = weakref.WeakSet()  # every graph alive (edge layouts of masks and joins)
 
 
@@ -221,7 +222,9 @@ class GraphIndex:
 
         Aggregations use these instead of the index's values (global ids), which are never read.
         """
-        rows = self.graph.dst_local
+        from ._requests import table
+
+        rows = table(self.graph.dst_local, local)
         return rows.reshape((-1,) + (1,) * (local.ndim - 1)).expand(local.shape)
 
 

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .. import _mesh_order, collectives
-from .._torch_compat import Function, traced
+from .._torch_compat import Function, graph_constant, traced
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "gatherable",
     "plan_for",
     "broadcast_rows",
+    "table",
 ]
 
 
@@ -108,11 +109,17 @@ def plan_rows(ids: torch.Tensor, sizes, mesh, mesh_dim: int, *, head=(), check=N
     )
 
 
+def table(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A plan's index table ``t`` for an op on ``like``: ``t`` itself, or while torch.compile traces ``like``
+    (a fake or functional stand-in) the same values as a constant of the traced graph."""
+    return graph_constant(t, like) if traced(like) else t
+
+
 def fetch_rows(plan: RowPlan, x_local: torch.Tensor) -> torch.Tensor:
     """The requested rows ``(len(ids), ...)`` of the sharded tensor whose local shard is ``x_local``."""
-    send = x_local.index_select(0, plan.send_rows)
+    send = x_local.index_select(0, table(plan.send_rows, x_local))
     ghosts = collectives.all_to_all_v(send, plan.send_counts, plan.ghost_counts, plan.mesh, plan.mesh_dim)
-    return torch.cat([x_local, ghosts]).index_select(0, plan.slot)
+    return torch.cat([x_local, ghosts]).index_select(0, table(plan.slot, x_local))
 
 
 def return_grads(plan: RowPlan, grad_rows: torch.Tensor, exchange: bool = True) -> torch.Tensor:
@@ -128,9 +135,9 @@ def return_grads(plan: RowPlan, grad_rows: torch.Tensor, exchange: bool = True) 
     if not exchange:
         keep = plan.slot < n
         return grad_rows.new_zeros((n, *rest)).index_add_(0, plan.slot[keep], grad_rows[keep])
-    slots = grad_rows.new_zeros((n + plan.num_ghosts, *rest)).index_add_(0, plan.slot, grad_rows)
+    slots = grad_rows.new_zeros((n + plan.num_ghosts, *rest)).index_add_(0, table(plan.slot, grad_rows), grad_rows)
     back = collectives.all_to_all_v(slots[n:], plan.ghost_counts, plan.send_counts, plan.mesh, plan.mesh_dim)
-    return slots[:n].index_add_(0, plan.send_rows, back)
+    return slots[:n].index_add_(0, table(plan.send_rows, grad_rows), back)
 
 
 # --------------------------------------------------------------------------- #

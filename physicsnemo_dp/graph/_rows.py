@@ -20,7 +20,7 @@ import torch
 from .._torch_compat import Function
 from ..rule_kit import to_layout, wrap
 from ._graph import GraphIndex
-from ._requests import fetch_rows, return_grads
+from ._requests import fetch_rows, return_grads, table
 
 __all__ = ["GraphRows", "graph_rows", "rows_backward"]
 
@@ -28,9 +28,9 @@ __all__ = ["GraphRows", "graph_rows", "rows_backward"]
 def rows_local(gi: GraphIndex, x_local: torch.Tensor) -> torch.Tensor:
     """This rank's edge rows ``(E_r, ...)`` of node-layout local features ``x_local``."""
     if gi.role == "dst":
-        return x_local.index_select(0, gi.graph.dst_local)
+        return x_local.index_select(0, table(gi.graph.dst_local, x_local))
     if _alone(gi.graph):  # every source is a local row: no ghosts, no [local | ghosts] copy, no all-to-all
-        return x_local.index_select(0, gi.graph.plan.slot)
+        return x_local.index_select(0, table(gi.graph.plan.slot, x_local))
     return fetch_rows(gi.graph.plan, x_local)
 
 
@@ -55,7 +55,7 @@ def rows_backward(gi: GraphIndex, grad_local: torch.Tensor) -> torch.Tensor:
     if gi.role == "dst" or _alone(g):
         # Local rows only: summed as torch's own backward of ``x[index]`` sums them (index_put_ with accumulate,
         # which also reads a strided gradient, a slice of a cat's, at the speed of a contiguous one).
-        rows = g.dst_local if gi.role == "dst" else g.plan.slot
+        rows = table(g.dst_local if gi.role == "dst" else g.plan.slot, grad_local)
         rest = tuple(grad_local.shape[1:])
         return grad_local.new_zeros((g.num_local_nodes, *rest)).index_put_((rows,), grad_local, accumulate=True)
     return return_grads(g.plan, grad_local)

@@ -222,17 +222,33 @@ def grad_like(result, spec):
     the value, e.g. once by the promotion step of a plain weight. A result
     already in that layout is returned as is, without building a spec.
     """
-    target = grad_layout(spec)
     src = result._spec
-    placements = tuple(
-        rp if issubclass(type(p), Replicate) and issubclass(type(rp), Partial) and rp.reduce_op in ("sum", "avg") else tp
-        for p, tp, rp in zip(spec.placements, target.placements, src.placements)
-    )
+    target, placements = _grad_like_placements(src, spec)
     if placements == src.placements and target.dim_sizes == src.dim_sizes:
         return result
     dst = target.with_layout(placements, target.dim_sizes)
     # a gradient in its input's layout: where the input is whole, so is its gradient (not an implicit gather)
     return wrap(redistribute_local(result._local_tensor, src, dst, implicit=False), dst)
+
+
+def _grad_like_placements(src, spec):
+    """The gradient layout of an input of spec ``spec`` and the placements :func:`grad_like` gives a result of spec ``src``."""
+    target = grad_layout(spec)
+    placements = tuple(
+        rp if issubclass(type(p), Replicate) and issubclass(type(rp), Partial) and rp.reduce_op in ("sum", "avg") else tp
+        for p, tp, rp in zip(spec.placements, target.placements, src.placements)
+    )
+    return target, placements
+
+
+def grad_like_is_identity(src, spec) -> bool:
+    """Whether :func:`grad_like` returns a result of spec ``src`` as it is, for an input of spec ``spec``.
+
+    Pure in the two specs: a caller that knows its result's spec in advance
+    (a memoised plan) decides once.
+    """
+    target, placements = _grad_like_placements(src, spec)
+    return placements == src.placements and target.dim_sizes == src.dim_sizes
 
 
 def plain_gradient(g: torch.Tensor, spec):

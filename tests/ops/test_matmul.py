@@ -261,6 +261,32 @@ def test_an_operand_is_saved_only_for_the_other_operands_gradient(ctx):
     assert type(w.grad) is torch.Tensor and torch.allclose(w.grad, Wr.grad)
 
 
+@distributed(world_sizes=(2, 3), mesh_2d=False)
+def test_backward_plans_are_kept_per_gradient_layout(ctx):
+    """A contraction's backward plans its gradients once per forward plan and output-gradient layout: an upstream
+    gradient in another layout (replicated, or a pending sum) gets its own plans and the right gradients; the same
+    layout again plans nothing new."""
+    from physicsnemo_dp.rules.matmul import contract
+
+    mesh = ctx.mesh
+    X, W, B, G = _g((9, 4), 1), _g((3, 4), 2), _g((3,), 3), _g((9, 3), 4)
+    Xr, Wr, Br = (t.clone().requires_grad_(True) for t in (X, W, B))
+    F.linear(Xr, Wr, Br).backward(G)
+    spec = make_spec(mesh, (Shard(0),), X.shape)
+    w, b = torch.nn.Parameter(W.clone()), torch.nn.Parameter(B.clone())
+    grads = [shard_from_global(G, make_spec(mesh, (p,), G.shape)) for p in (Shard(0), Replicate(), Partial())]
+    contract._GRADS.clear()
+    counts = []
+    for g in grads + grads:
+        x = shard_from_global(X, spec, requires_grad=True)
+        w.grad = b.grad = None
+        F.linear(x, w, b).backward(g)
+        assert torch.allclose(x.grad.full_tensor(), Xr.grad), g._spec.placements
+        assert torch.allclose(w.grad, Wr.grad) and torch.allclose(b.grad, Br.grad), g._spec.placements
+        counts.append(len(contract._GRADS))
+    assert counts == [1, 2, 3, 3, 3, 3], counts
+
+
 def test_local_kernels_are_the_plain_calls():
     """``linear`` runs ``F.linear`` on the local pieces and a 2-D ``matmul`` runs ``mm``: the plain call's bits."""
     from physicsnemo_dp.rules.matmul import linear_equation, matmul_equation

@@ -26,7 +26,6 @@ Wirtinger): the other operands and the scale factors enter conjugated, as in
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,7 +35,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ... import _gathers
 from ..._redistribute import grad_layout, redistribute_local
 from ..._torch_compat import SubclassFunction
-from ...rule_kit import grad_like, shard_tensor_cls, wrap
+from ...rule_kit import grad_like, grad_like_is_identity, shard_tensor_cls, wrap
 from .labels import NO_FREE, label_extents, plan_contraction
 from .local import local_program
 
@@ -204,23 +203,6 @@ def _prefer(spec, labels):
     )
 
 
-def _grad_of(target_labels, target_spec, tensors, labels, scale):
-    """Gradient of one input: an einsum of the output gradient with the other operands."""
-    sub_eq = Equation(tuple(labels), tuple(target_labels))
-    # The gradient of a whole (replicated) operand, a weight say, is whole: what its contraction gathers is
-    # not an implicit gather (the forward that used the whole tensor is where one would be reported).
-    whole = all(issubclass(type(p), Replicate) for p in target_spec.placements)
-    with _gathers.explicit() if whole else contextlib.nullcontext():
-        g = contract(
-            sub_eq,
-            tensors,
-            alpha=scale,
-            out_shape=target_spec.global_shape,
-            prefer=_prefer(target_spec, target_labels),
-        )
-    return grad_like(g, target_spec)
-
-
 class Contraction(SubclassFunction):
     """Differentiable :func:`run` of a plan from :func:`prepare` (``forward`` + ``setup_context`` style).
 
@@ -253,22 +235,105 @@ class Contraction(SubclassFunction):
         ShardTensor = shard_tensor_cls()
         if not isinstance(grad, ShardTensor):
             grad = wrap(grad, grad_layout(ctx.out_spec))
-        prepared, operands = ctx.prepared, ctx.saved_tensors
-        eq = prepared.eq
+        operands = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        plans = _backward_plans(ctx.prepared, grad, operands, needs[3:], ctx.bias_spec)
         grads = []
-        for k, spec in enumerate(prepared.specs):
-            if not ctx.needs_input_grad[4 + k]:
+        scale = _conj_scalar(ctx.alpha)
+        for plan in plans.operands:
+            if plan is None:
                 grads.append(None)
                 continue
-            others = [(y, eq.operands[j]) for j, y in enumerate(operands) if j != k]
-            tensors = [grad] + [_conj(y) for y, _ in others]
-            labels = [eq.out] + [labs for _, labs in others]
-            grads.append(_grad_of(eq.operands[k], spec, tensors, labels, _conj_scalar(ctx.alpha)))
-        grad_bias = None
-        if ctx.bias_spec is not None and ctx.needs_input_grad[3]:
-            bias_labels = eq.out[len(eq.out) - len(ctx.bias_spec.global_shape) :]
-            grad_bias = _grad_of(bias_labels, ctx.bias_spec, [grad], [eq.out], _conj_scalar(ctx.beta))
+            tensors = [grad] + [_conj(operands[j]) for j in plan.others]
+            grads.append(plan.run(tensors, scale))
+        grad_bias = None if plans.bias is None else plans.bias.run([grad], _conj_scalar(ctx.beta))
         return None, None, None, grad_bias, *grads
+
+
+@dataclass(frozen=True)
+class _GradPlan:
+    """The gradient of one input of a contraction: an einsum of the output gradient with the other operands.
+
+    ``prepared`` is that einsum's plan (from :func:`propagate`, with the
+    input's own layout preferred for the result), ``others`` the indices of
+    the other operands it reads, ``target`` the input's spec and ``whole``
+    whether the input is replicated: what its gradient gathers is then not an
+    implicit gather (the forward that used the whole tensor is where one would
+    be reported).
+    """
+
+    prepared: Prepared
+    others: tuple
+    target: object
+    whole: bool
+    as_is: bool  # whether :func:`grad_like` returns a result of spec ``prepared.out`` as it is
+
+    def run(self, tensors, scale):
+        prepared = self.prepared
+        if self.whole and prepared.moves:
+            with _gathers.explicit():
+                g = run(prepared, tensors, None, scale, 1)
+        else:
+            g = run(prepared, tensors, None, scale, 1)
+        if self.as_is and g._spec is prepared.out:  # (wrap() re-types the spec of a result of another dtype)
+            return g
+        return grad_like(g, self.target)
+
+
+@dataclass(frozen=True)
+class _GradPlans:
+    operands: tuple  # per operand: its :class:`_GradPlan`, or None where no gradient is needed
+    bias: _GradPlan | None
+
+
+#: Backward plans of a contraction, keyed by the identity of the forward's plan, of the specs of the output
+#: gradient and the saved operands, and by which inputs need a gradient: a contraction's backward plans its
+#: gradient einsums once per layout (as :func:`_prepare_pair` does its forward), instead of building their
+#: equations and hints and looking their plans up on every call. Each entry keeps its keys' objects alive.
+_GRADS: dict = {}
+_GRADS_SIZE = 4096
+
+
+def _backward_plans(prepared: Prepared, grad, operands, needs, bias_spec) -> _GradPlans:
+    """The memoised :class:`_GradPlans` of ``prepared`` for this output gradient and saved operands.
+
+    ``needs`` is ``needs_input_grad`` from the bias on (bias, then the operands).
+    """
+    specs = tuple(None if y is None else y._spec for y in operands)
+    dtype = grad._local_tensor.dtype
+    key = (id(prepared), id(grad._spec), dtype, tuple(map(id, specs)), needs, id(bias_spec))
+    hit = _GRADS.get(key)
+    if hit is not None:
+        return hit[-1]
+    eq = prepared.eq
+    plans = []
+    for k, spec in enumerate(prepared.specs):
+        if not needs[1 + k]:
+            plans.append(None)
+            continue
+        others = tuple(j for j in range(len(operands)) if j != k)
+        labels = (eq.out,) + tuple(eq.operands[j] for j in others)
+        tensor_specs = (grad._spec,) + tuple(specs[j] for j in others)
+        plans.append(_grad_plan(eq.operands[k], spec, tensor_specs, labels, others, dtype))
+    bias_plan = None
+    if bias_spec is not None and needs[0]:
+        bias_labels = eq.out[len(eq.out) - len(bias_spec.global_shape) :]
+        bias_plan = _grad_plan(bias_labels, bias_spec, (grad._spec,), (eq.out,), (), dtype)
+    result = _GradPlans(tuple(plans), bias_plan)
+    if len(_GRADS) >= _GRADS_SIZE:
+        _GRADS.clear()
+    _GRADS[key] = (prepared, grad._spec, specs, bias_spec, result)
+    return result
+
+
+def _grad_plan(target_labels, target_spec, tensor_specs, labels, others, dtype) -> _GradPlan:
+    """The :class:`_GradPlan` of one input (labelled ``target_labels``, of spec ``target_spec``)."""
+    sub_eq = Equation(tuple(labels), tuple(target_labels))
+    prepared = propagate(
+        sub_eq, tensor_specs, None, tuple(target_spec.global_shape), _prefer(target_spec, target_labels), dtype
+    )
+    whole = all(issubclass(type(p), Replicate) for p in target_spec.placements)
+    return _GradPlan(prepared, others, target_spec, whole, grad_like_is_identity(prepared.out, target_spec))
 
 
 def _compact(x):

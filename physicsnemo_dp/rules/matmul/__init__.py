@@ -251,7 +251,7 @@ RULES: dict = {
 # --------------------------------------------------------------------------- #
 @lru_cache(maxsize=1024)
 def _op_plan(eq: Equation, specs, bias_at, with_bias: bool) -> OpPlan:
-    """The :class:`~physicsnemo_dp.propagation.OpPlan` of a contraction (memoised; the same one :func:`contract` runs).
+    """The :class:`~physicsnemo_dp.propagation.OpPlan` of a contraction (memoised; the same one :func:`.contract.prepare` gives the contraction).
 
     ``specs`` are the operands' specs in call order, the bias among them at
     position ``bias_at`` (None: no bias); ``with_bias`` is False when the bias

@@ -1,6 +1,6 @@
 """Running a planned contraction on local tensors, and its autograd Function.
 
-:func:`contract` brings each operand to the layout the plan gives it, runs
+:func:`prepare` plans and :func:`run` brings each operand to the layout the plan gives it, runs
 the contraction on the local pieces (with the plain op's kernel, see
 :mod:`.local`) and wraps the result. It computes
 ``alpha * einsum(...) + beta * bias`` so that ``addmm``-style ops and
@@ -56,15 +56,6 @@ class Equation:
         except KeyError:
             h = self.__dict__["_hash"] = hash((self.operands, self.out))
             return h
-
-
-def contract(eq: Equation, operands, *, bias=None, alpha=1, beta=1, out_shape=None, prefer=None):
-    """``alpha * einsum(eq)(operands) + beta * bias`` on ShardTensors (not differentiable).
-
-    Runs the plan of :func:`propagate` (looked up by the operands' specs):
-    redistributes what the plan moves, runs the local program, wraps the result.
-    """
-    return run(prepare(eq, operands, bias, beta, out_shape, prefer), operands, bias, alpha, beta)
 
 
 def prepare(eq: Equation, operands, bias=None, beta=1, out_shape=None, prefer=None) -> Prepared:
@@ -138,7 +129,7 @@ class Prepared:
 
 @lru_cache(maxsize=2048)
 def propagate(eq: Equation, specs, bias_spec, out_shape, prefer, dtype) -> Prepared:
-    """The pure half of :func:`contract`: output spec, operand layouts and local program, memoised.
+    """The pure half of :func:`prepare`: output spec, operand layouts and local program, memoised.
 
     Keyed by the operands' specs (size tables included, so uneven layouts
     are their own keys) and the call's metadata; no tensor enters. A step of

@@ -204,6 +204,64 @@ def attend(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: 
             merge_into(out[..., rows, :], lse[..., rows], out_t, lse_t)
 
 
+def _broadcast(a: tuple, b: tuple) -> tuple:
+    """Broadcast shape of two grouped shapes of equal length that broadcast (checked when the call was planned)."""
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+def one_call(q, k, v, mask, tiles: Sequence[Tile]):
+    """``(batch, causal)`` when block ``(k, v)`` is one fused-kernel call covering every query row and key, else None.
+
+    That is a single tile of the whole block (no user mask, CPU) that the
+    kernel computes in one part: fully visible, or causal from its top-left
+    corner. Then the tile's ``(out, lse)`` and gradients *are* the result:
+    nothing to merge into running accumulators or to add into zeros
+    (:func:`attend_whole`, :func:`attend_backward_whole`), which is exact
+    (merging into ``out = 0, lse = -inf`` gives the tile's values bit for
+    bit) and saves the accumulators' allocations and a dozen small ops.
+    """
+    if len(tiles) != 1 or not _fused(q, v, mask):
+        return None
+    parts = _kernel_parts(tiles[0])
+    if len(parts) != 1:
+        return None
+    part, causal = parts[0]
+    if (part.q_start, part.q_len, part.k_start, part.k_len) != (0, q.shape[-2], 0, k.shape[-2]):
+        return None
+    batch = _broadcast(q.shape[:-2], k.shape[:-2])
+    if _broadcast(batch, v.shape[:-2]) != batch:  # values with more batch than q and k: the general path
+        return None
+    return batch, causal
+
+
+def attend_whole(q, k, v, batch, causal: bool, scale: float):
+    """``(out, lse)`` of queries ``q`` on the whole block ``(k, v)`` in one kernel call (see :func:`one_call`)."""
+    o, l = fused_cpu_attention(_flat(q, batch), _flat(k.to(q.dtype), batch), _flat(v.to(q.dtype), batch), causal, scale)
+    return o.reshape(*batch, *o.shape[-2:]).contiguous(), l.reshape(*batch, l.shape[-1]).contiguous()
+
+
+def attend_backward_whole(q, k, v, batch, causal: bool, scale: float, dout, out, lse):
+    """``(dq, dk, dv)`` of :func:`attend_whole`: ``dq`` laid out like ``q``, ``dk``/``dv`` contiguous in ``k``'s/``v``'s shape.
+
+    The layouts are those :func:`attend_backward` accumulates into (``zeros_like(q)``, ``zeros(k.shape)``), so
+    what follows sees the same tensors as on the general path.
+    """
+    rows = q.shape[-2]
+    grads = fused_cpu_attention_backward(
+        _flat(dout, batch), _flat(q, batch), _flat(k.to(q.dtype), batch), _flat(v.to(q.dtype), batch),
+        _flat(out, batch), _kernel_memory(lse.expand(*batch, rows).reshape(-1, 1, rows)), causal, scale,
+    )  # fmt: skip
+    gq, gk, gv = (g.reshape(*batch, *g.shape[-2:]) for g in grads)
+    gq = gq.sum_to_size(q.shape)
+    dq = gq if gq.stride() == q.stride() else torch.empty_like(q).copy_(gq)
+    return dq, gk.sum_to_size(k.shape).contiguous(), gv.sum_to_size(v.shape).contiguous()
+
+
+def needs_delta(q, v, mask, out) -> bool:
+    """Whether :func:`attend_backward` reads ``delta``: not when its tiles run on the fused kernel (given ``out``)."""
+    return out is None or not _fused(q, v, mask)
+
+
 class _Target:
     """Where a block's dk/dv contributions go: given tensors, tensors a callable returns when first needed, or zeros."""
 

@@ -25,27 +25,35 @@ from __future__ import annotations
 import torch
 
 from .. import collectives
-from ._blocks import _safe, attend, attend_backward
+from ._blocks import _safe, attend, attend_backward, attend_backward_whole, attend_whole, needs_delta, one_call
 from ._common import Grouped
 from ._propagate import AttentionPlan
 
 
 def local_forward(g: Grouped, ap: AttentionPlan):
-    out, lse = g.accumulators()
     sched = ap.schedule
     block = sched.blocks[0]
+    call = one_call(g.q, g.k, g.v, g.mask, block.tiles)
+    if call is not None:  # one kernel call gives the result: no accumulators to merge into
+        return attend_whole(g.q, g.k, g.v, *call, ap.options.scale)
+    out, lse = g.accumulators()
     attend(g.q, g.k, g.v, g.mask, sched.rows0, block.cols0, block.tiles, ap.options.scale, out, lse)
     return out, lse
 
 
 def local_backward(g: Grouped, ap: AttentionPlan, dout, out, lse, reduce_delta=False):
-    delta = (dout * out).sum(-1)
-    if reduce_delta:
-        delta = collectives.all_reduce(delta, "sum", ap.layout.q.mesh, ap.layout.seq_mesh_dim)
-    dq = torch.zeros_like(g.q)
     sched = ap.schedule
     block = sched.blocks[0]
     exact = None if reduce_delta else out  # a kv_sharded output is one rank's share: no fused backward
+    call = None if reduce_delta else one_call(g.q, g.k, g.v, g.mask, block.tiles)
+    if call is not None:  # the kernel's gradients are the result: no zeros to add them into
+        return attend_backward_whole(g.q, g.k, g.v, *call, ap.options.scale, dout, out, lse)
+    delta = None
+    if needs_delta(g.q, g.v, g.mask, exact):  # the fused kernel recomputes it itself
+        delta = (dout * out).sum(-1)
+        if reduce_delta:
+            delta = collectives.all_reduce(delta, "sum", ap.layout.q.mesh, ap.layout.seq_mesh_dim)
+    dq = torch.zeros_like(g.q)
     dk, dv = attend_backward(g.q, g.k, g.v, g.mask, sched.rows0, block.cols0, block.tiles, ap.options.scale, dout, lse,
                              delta, dq, exact)  # fmt: skip
     return dq, dk, dv

@@ -68,9 +68,10 @@ import math
 import torch
 
 from .. import _torch_compat, collectives
-from ._blocks import attend, attend_backward
+from ._blocks import attend, attend_backward, needs_delta
 from ._common import Grouped, Options
 from ._propagate import AttentionPlan
+from .local import local_backward, local_forward
 
 _KV, _GRADS = 0, 1  # tags of the two exchanges that can be in flight at once
 
@@ -167,6 +168,8 @@ def _chunk(g: Grouped, start: int, length: int) -> Grouped:
 
 def ring_forward(g: Grouped, ap: AttentionPlan):
     _eager_only(g)
+    if ap.schedule.size == 1:  # a ring of one rank: its own block is every key, attended to as the local kind does
+        return local_forward(g, ap)
     ring, options = _Ring(ap), ap.options
     out, lse = g.accumulators()
     parcel, held = _Parcel(g, ring), None
@@ -202,8 +205,10 @@ def _arrived_now(pending):
 
 def ring_backward(g: Grouped, ap: AttentionPlan, dout, out, lse):
     _eager_only(g)
+    if ap.schedule.size == 1:  # nothing travels: no head chunks, the local kind's backward
+        return local_backward(g, ap, dout, out, lse)
     ring, options = _Ring(ap), ap.options
-    delta = (dout * out).sum(-1)
+    delta = (dout * out).sum(-1) if needs_delta(g.q, g.v, g.mask, out) else None
     dq = torch.zeros_like(g.q)
     dk = torch.zeros(g.k.shape, dtype=dq.dtype, device=dq.device)
     dv = torch.zeros(g.v.shape, dtype=dq.dtype, device=dq.device)

@@ -5,7 +5,15 @@ import torch
 import torch.nn.functional as F
 
 from physicsnemo_dp.attention import zigzag_order, zigzag_sizes
-from physicsnemo_dp.attention._blocks import Span, attend, attend_backward, plan_tiles
+from physicsnemo_dp.attention._blocks import (
+    Span,
+    attend,
+    attend_backward,
+    attend_backward_whole,
+    attend_whole,
+    one_call,
+    plan_tiles,
+)
 from physicsnemo_dp.attention import _heads
 from physicsnemo_dp.attention.zigzag import spans
 from physicsnemo_dp.split import chunk_sizes, offsets_from_sizes
@@ -29,7 +37,11 @@ def test_blocks_merge_to_full_attention(causal, zigzag, hq, hk):
     ref.backward(w)
 
     groups = _heads.query_groups(hq, hk)
-    q5, k5, v5 = _heads.group_queries(q.detach(), groups, q.dtype), _heads.group_keys(k.detach()), _heads.group_keys(v.detach())
+    q5, k5, v5 = (
+        _heads.group_queries(q.detach(), groups, q.dtype),
+        _heads.group_keys(k.detach()),
+        _heads.group_keys(v.detach()),
+    )
     m5 = _heads.group_mask(mask, 4, groups)
     cuts = [0, 4, 4, 7, S]  # an empty block on purpose
     q_spans = spans(0, L, L, 2, zigzag) if causal else (Span(0, L, 0),)
@@ -92,3 +104,37 @@ def test_zigzag_balances_causal_work():
     assert max(contiguous) == parts * min(contiguous)  # rank r computes r + 1 blocks
     assert max(zigzag) / min(zigzag) < 1.01
     assert sum(zigzag) < 0.7 * n * n  # future tiles are skipped, not just balanced
+
+
+@pytest.mark.parametrize(
+    "hq,hk,L,S,causal,dtype",
+    [(4, 4, 12, 12, False, torch.float32), (4, 2, 12, 12, True, torch.float32), (3, 1, 9, 7, False, torch.float64),
+     (2, 2, 8, 8, False, torch.bfloat16)],
+)  # fmt: skip
+def test_one_kernel_call_gives_the_bits_of_the_merged_tile(hq, hk, L, S, causal, dtype):
+    """A block that is one fused-kernel call returns the tile itself: the bits (and memory layouts) of the merge path."""
+    g = torch.Generator().manual_seed(3)
+    E = 8
+    # queries transposed in memory, as a projection split into heads gives them
+    q = torch.randn(2, L, hq, E, generator=g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(2, hk, S, E, generator=g).to(dtype) for _ in range(2))
+    groups = _heads.query_groups(hq, hk)
+    compute = torch.float32 if dtype == torch.bfloat16 else dtype
+    q5, k5, v5 = _heads.group_queries(q, groups, compute), _heads.group_keys(k), _heads.group_keys(v)
+    tiles = plan_tiles((Span(0, L, 0),), (Span(0, S, 0),), causal)
+    call = one_call(q5, k5, v5, None, tiles)
+    assert call is not None
+    out, lse = torch.zeros(*call[0], L, E, dtype=compute), torch.full((*call[0], L), float("-inf"), dtype=compute)
+    attend(q5, k5, v5, None, 0, 0, tiles, 0.3, out, lse)
+    fast_out, fast_lse = attend_whole(q5, k5, v5, *call, 0.3)
+    dout = torch.randn(out.shape, generator=g).to(compute)
+    dq = torch.zeros_like(q5)
+    dk, dv = attend_backward(q5, k5, v5, None, 0, 0, tiles, 0.3, dout, lse, None, dq, out)
+    fast = attend_backward_whole(q5, k5, v5, *call, 0.3, dout, out, lse)
+    for a, b in zip((out, lse, dq, dk, dv), (fast_out, fast_lse, *fast)):
+        assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype
+    # more than one kernel call (a mask, a causal tile that is not square, several tiles): the general path
+    mask = torch.ones(L, S, dtype=torch.bool)
+    assert one_call(q5, k5, v5, mask, tiles) is None
+    assert one_call(q5, k5, v5, None, plan_tiles((Span(0, L, 4),), (Span(0, S, 0),), True)) is None
+    assert one_call(q5, k5, v5, None, plan_tiles((Span(0, 4, 0), Span(4, L - 4, 4)), (Span(0, S, 0),), False)) is None

@@ -14,16 +14,13 @@ Everything here is metadata arithmetic, identical on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ...rule_kit import normalize_dim
-
-
-
-
 
 
 def reduced_dims(dim, ndim: int, *, empty_means_all: bool = True) -> tuple[int, ...]:
@@ -76,7 +73,15 @@ class Reduction:
 
         ``reduced`` is ``Partial("sum")`` for results left pending, Replicate
         for combined ones. Partial placements of the input stay as they are.
+
+        Memoised (a reduction and its layouts are immutable): a loss's ``mean`` asks for it every step.
         """
+        try:
+            return _out_spec(self, dtype, reduced)
+        except TypeError:  # symbolic sizes under tracing: not hashable, computed
+            return self._out_spec(dtype, reduced)
+
+    def _out_spec(self, dtype: torch.dtype, reduced):
         spec = self.spec
         ndim = len(spec.global_shape)
         kept = [d for d in range(ndim) if d not in self.dims]
@@ -98,7 +103,13 @@ class Reduction:
         return type(spec).from_sizes(spec.mesh, placements, shape, dtype, sizes)
 
     def grad_spec(self, dtype: torch.dtype):
-        """Layout in which a backward needs the output's gradient: kept shards, Replicate elsewhere."""
+        """Layout in which a backward needs the output's gradient: kept shards, Replicate elsewhere (memoised)."""
+        try:
+            return _grad_spec(self, dtype)
+        except TypeError:  # symbolic sizes under tracing: not hashable, computed
+            return self._grad_spec(dtype)
+
+    def _grad_spec(self, dtype: torch.dtype):
         out = self.out_spec(dtype)
         placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in out.placements)
         return out.with_layout(placements, out.dim_sizes)
@@ -111,3 +122,12 @@ class Reduction:
             local = local.unsqueeze(d)
         return local
 
+
+@lru_cache(maxsize=4096)
+def _out_spec(red: Reduction, dtype: torch.dtype, reduced):
+    return red._out_spec(dtype, reduced)
+
+
+@lru_cache(maxsize=4096)
+def _grad_spec(red: Reduction, dtype: torch.dtype):
+    return red._grad_spec(dtype)

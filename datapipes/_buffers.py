@@ -11,13 +11,26 @@ any tensor (or view of one) uses its memory. A ``weakref.finalize`` on each
 array returns the buffer once all of a batch's arrays are gone, so a batch a
 user keeps is never overwritten; the pool simply grows instead.
 
-Buffers are plain memory, or POSIX shared memory when a reader process fills
+Buffers are private memory, or POSIX shared memory when a reader process fills
 them (the process attaches by name, see :mod:`datapipes.prefetch`).
+
+Why private buffers are mapped here rather than taken from ``np.empty``:
+``malloc`` serves a large request from free space of its heap when it has
+any, and a training process's heap has plenty once tensors of earlier steps
+were freed. That memory was touched before with 4 KiB pages, so it gets no
+huge pages, and filling a buffer of 4 KiB pages from the page cache cost
+~1.35x the time here (16 MiB: 1.2 vs 0.85 ms a copy; the pipe at P = 1
+dropped from 0.9-1.0 of a bare ``read_direct`` loop to 0.7 after other
+work in the same process). :func:`private_memory` maps every buffer of at
+least :data:`HUGE_PAGE` bytes on its own (anonymous, private, aligned to
+2 MiB and advised ``MADV_HUGEPAGE``), so its speed does not depend on the
+heap's past; the mapping is returned to the system when its last view dies.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 import weakref
 from dataclasses import dataclass
@@ -25,9 +38,11 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-__all__ = ["ArraySpec", "Buffer", "BufferPool", "layout_arrays", "view_arrays"]
+__all__ = ["ArraySpec", "Buffer", "BufferPool", "layout_arrays", "private_memory", "view_arrays"]
 
 _ALIGN = 64  # bytes; every array starts on a cache line
+#: Buffers at least this large get a mapping of their own, aligned to it (the x86-64 / arm64 huge page size).
+HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,26 @@ def view_arrays(memory, specs: tuple[ArraySpec, ...]) -> dict[str, np.ndarray]:
     return {s.name: np.ndarray(s.shape, np.dtype(s.dtype), buffer=memory, offset=s.offset) for s in specs}
 
 
+def private_memory(nbytes: int) -> np.ndarray:
+    """``nbytes`` of private memory (uint8, uninitialised), on huge pages where the system gives them.
+
+    From :data:`HUGE_PAGE` bytes up: an anonymous private mapping of its own,
+    started on a huge-page boundary and advised ``MADV_HUGEPAGE`` (used when
+    transparent huge pages are ``always`` or ``madvise``), never recycled heap
+    memory (see the module docstring). Smaller sizes, and systems without
+    private anonymous mappings, get ``np.empty``. The mapping is unmapped when
+    the array and every view of it are gone.
+    """
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MAP_PRIVATE") or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.empty(nbytes, dtype=np.uint8)
+    mapped = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(mapped, np.uint8)  # keeps the mapping alive (views of it too)
+    start = -whole.ctypes.data % HUGE_PAGE  # a multiple of the page size: mmap returns page-aligned memory
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapped.madvise(mmap.MADV_HUGEPAGE, start, len(mapped) - start)
+    return whole[start : start + nbytes]
+
+
 class Buffer:
     """A block of bytes; ``name`` is set when it lives in shared memory."""
 
@@ -69,7 +104,7 @@ class Buffer:
             self.name, self.memory = self._shm.name, self._shm.buf
         else:
             self._shm = None
-            self.name, self.memory = None, np.empty(self.capacity, dtype=np.uint8)
+            self.name, self.memory = None, private_memory(self.capacity)
 
     def free(self) -> None:
         """Give the memory back to the system (shared memory is unlinked at once)."""

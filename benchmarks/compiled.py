@@ -32,7 +32,9 @@ Figures (targets from issue 30):
 * graph breaks in a step (counted while it is compiled) and graphs compiled
   per step after warm-up (recompilations), both <= 0; the count is the
   ``ratio`` (baseline 1 and the number of timed steps);
-* compile time: the two warm-up steps / one eager step (informative).
+* compile time: the two warm-up steps / one eager step (informative);
+* a model whose step does not compile on some rank gets one row instead,
+  "step fails to compile" (a count, target 0) with the error's first line.
 """
 
 from __future__ import annotations
@@ -203,9 +205,9 @@ def run(mesh, grid: int, width: int, tokens: int, dim: int, around: int, rings: 
             compile_seconds[kind] = time.perf_counter() - start
             counts[kind] = {k: v - before[k] for k, v in compile_counts().items()}
             steps[kind] = repeated(lambda step=step, args=args: step(args), calls)
-        if over_ranks(failure is not None, "max"):
-            if mesh.get_rank() == 0:
-                print(f"compiled: {name} skipped, its step did not compile with {backend} ({failure})", flush=True)
+        if over_ranks(failure is not None, "max"):  # reported, never dropped: ranks' output is not shown
+            results.append(Result(SUITE, f"{name}: step fails to compile with {backend} ({(failure or '')[:120]})",
+                                  P, 1, 1, "count", ("<=", 0)))  # fmt: skip
             continue
         before = compile_counts()
         best = fastest_by(steps, rounds, [time.process_time])

@@ -479,7 +479,9 @@ def fused_cpu_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: f
 
 def traced(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a stand-in that torch.compile traces with (fake or functional), not data."""
-    if type(tensor) is torch.Tensor:  # the eager case, fast: a plain Tensor is a stand-in only as a C++ functional wrapper
+    if type(tensor) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        # the eager case, fast: a plain Tensor that no torch.func transform wraps (a vjp inside a traced backward
+        # wraps fake tensors) is a stand-in only as a C++ functional wrapper
         return torch._is_functional_tensor(tensor)
     from torch._subclasses.fake_tensor import is_fake
 

@@ -177,3 +177,23 @@ def test_index_range_check_runs_inside_compiled_code(ctx):
         with pytest.raises(RuntimeError, match=r"out of bounds for dim 0 with size 7 \(valid: \[0, 6\]\)"):
             f(x, bad)
     torch._dynamo.reset()
+
+
+def test_traced_sees_fake_tensors_wrapped_by_torch_func():
+    """A ``torch.func.vjp`` inside a traced backward (the window ops' local gradients) wraps fake tensors in
+    plain-typed functorch wrappers: ``traced`` must see through them, or index tables become real tensors
+    that fake tensors refuse (the U-Net's upsampling failed to compile that way)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from physicsnemo_dp._torch_compat import traced
+
+    seen = []
+
+    def f(t):
+        seen.append(traced(t))
+        return t * 2
+
+    with FakeTensorMode() as mode:
+        torch.func.vjp(f, mode.from_tensor(torch.ones(3)))
+    torch.func.vjp(f, torch.ones(3))
+    assert seen == [True, False]

@@ -252,8 +252,8 @@ def _stop_rank_two(mesh):
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the process state is read from /proc")
 def test_a_stopped_rank_is_named_and_killed():
     start = time.monotonic()
-    with pytest.raises(RankError) as info:
-        launch(_stop_rank_two, 3, timeout=12, echo=False)
+    with pytest.raises(RankError) as info:  # a stopped rank may be continued: the run ends at its timeout
+        launch(_stop_rank_two, 3, timeout=8, echo=False)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert info.value.rank == 2, message

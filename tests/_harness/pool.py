@@ -101,9 +101,15 @@ def close_all() -> None:
 
 
 def _mp_context():
-    """Forkserver with torch preloaded (POSIX only, like the rest of the harness)."""
+    """Forkserver with torch and the library preloaded (POSIX only, like the rest of the harness).
+
+    One fork server serves the whole session, ``physicsnemo_dp.launch``'s ranks included (the first to start it
+    sets its preload): the same list as ``launch``'s, so every worker of every pool, and of every pool restarted
+    after a failure, starts with ``physicsnemo_dp`` imported instead of importing it itself (~1.5 s per rank here).
+    The library reads its environment variables when called, not on import.
+    """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "physicsnemo_dp"])
     return context
 
 

@@ -183,18 +183,23 @@ def test_resume_and_timeout_flags():
 STALL_RANK, TIMEOUT = 2, 10
 
 
-def _stalled_job(tmp_path, step: int, options: dict) -> tuple[int, str, str, float]:
-    """3 ranks of unet_darcy under torchrun; rank 2 SIGSTOPs itself in ``step``: (status, stdout, stderr, when)."""
+def _start_stalled_job(tmp_path, step: int, options: dict) -> subprocess.Popen:
+    """3 ranks of unet_darcy under torchrun; rank 2 SIGSTOPs itself in ``step``."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(EXAMPLES), env.get("PYTHONPATH")]))
     flags = argv({**TINY, "--checkpoint-every": 100, "--batch-size": 3, "--test-samples": 3, **options}, tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                str(Path(__file__).with_name("_stall.py")), str(step), str(STALL_RANK), *flags]
-    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _finish_stalled_job(job: subprocess.Popen) -> tuple[int, str, str, float, float]:
+    """Wait for the job: (status, stdout, stderr, when rank 2 stopped, when the job ended)."""
     try:
         stdout, stderr = job.communicate(timeout=300)
+        ended = time.time()
     finally:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
         if job.poll() is None:  # torchrun starts each rank in a session of its own: kill the tree, not a group
             try:
@@ -210,25 +215,55 @@ def _stalled_job(tmp_path, step: int, options: dict) -> tuple[int, str, str, flo
             job.wait()
     stopped_at = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("stalling rank")]
     assert job.returncode != 0 and stopped_at, stdout[-3000:] + stderr[-5000:]
-    return job.returncode, stdout, stderr, stopped_at[0]
+    return job.returncode, stdout, stderr, stopped_at[0], ended
+
+
+#: The two stalled torchrun jobs below (--timeout, and the adaptive bound) run at the same time: most of each job is
+#: waiting (starting ranks, then the watchdog's bound after the stop), so together they take little more than one.
+_JOBS = {"timeout": (3, {"--steps": 6, "--timeout": TIMEOUT}), "adaptive": (5, {"--steps": 8, "--stall-floor": 5})}
+
+
+@pytest.fixture(scope="module")
+def stalled_jobs(tmp_path_factory):
+    """Both jobs, started together; each test reads its own (a failure is raised by the test that reads it)."""
+    import concurrent.futures
+
+    jobs = {}
+    try:
+        for name, (step, options) in _JOBS.items():
+            jobs[name] = _start_stalled_job(tmp_path_factory.mktemp(f"stall_{name}"), step, options)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # each job's end time taken when it ends
+            futures = {name: pool.submit(_finish_stalled_job, job) for name, job in jobs.items()}
+            return {name: future.exception() or future.result() for name, future in futures.items()}
+    finally:
+        for job in jobs.values():  # a job _finish_stalled_job did not reach (an error starting the other)
+            if job.poll() is None:
+                _finish_stalled_job(job)
+
+
+def _stalled_job(stalled_jobs, name: str) -> tuple[int, str, str, float, float]:
+    got = stalled_jobs[name]
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 @pytest.mark.timeout(400)
-def test_a_stopped_rank_ends_the_torchrun_job_naming_the_step_and_the_rank(tmp_path):
+def test_a_stopped_rank_ends_the_torchrun_job_naming_the_step_and_the_rank(stalled_jobs):
     # Step 3 is the first step measured (steps 1 and 2 are warm-up): no adaptive bound yet, --timeout ends it.
-    _, _, stderr, stopped_at = _stalled_job(tmp_path, 3, {"--steps": 6, "--timeout": TIMEOUT})
+    _, _, stderr, stopped_at, ended = _stalled_job(stalled_jobs, "timeout")
     assert f"step 3 did not finish within --timeout {TIMEOUT:g} s; ranks that did not arrive: [{STALL_RANK}]" \
         in stderr, stderr[-5000:]
     assert f"rank {STALL_RANK}: STOPPED (SIGSTOP)" in stderr and "rank 0: waiting (step 3" in stderr
-    assert time.time() - stopped_at < TIMEOUT + 25, "the job did not end soon after the timeout"
+    assert ended - stopped_at < TIMEOUT + 25, "the job did not end soon after the timeout"
 
 
 @pytest.mark.timeout(400)
-def test_the_default_watchdog_ends_a_job_with_a_stopped_rank_within_its_adaptive_bound(tmp_path):
+def test_the_default_watchdog_ends_a_job_with_a_stopped_rank_within_its_adaptive_bound(stalled_jobs):
     # No --timeout (600 s): the adaptive bound (5 x the slowest of steps 3 and 4, at least --stall-floor 5 s)
     # ends the job. Before it, the job hung silently until --timeout.
-    _, stdout, stderr, stopped_at = _stalled_job(tmp_path, 5, {"--steps": 8, "--stall-floor": 5})
-    ended = time.time() - stopped_at
+    _, stdout, stderr, stopped_at, ended = _stalled_job(stalled_jobs, "adaptive")
+    ended -= stopped_at
     assert f"step 5: rank {STALL_RANK} is stopped (SIGSTOP). The step has lasted" in stderr, stderr[-5000:]
     assert f"ranks that did not arrive: [{STALL_RANK}]" in stderr
     assert "at least --stall-floor 5 s, at most --timeout 600 s" in stderr

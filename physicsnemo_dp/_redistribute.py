@@ -174,7 +174,7 @@ def redistribute_local(local: torch.Tensor, src_spec, dst_spec, *, implicit: boo
     ``implicit=False``: the result itself must be whole (a gradient brought to
     the layout of a replicated tensor, a Python value out of a tensor).
     """
-    if src_spec.mesh != dst_spec.mesh:
+    if src_spec.mesh is not dst_spec.mesh and src_spec.mesh != dst_spec.mesh:
         raise ValueError(
             "cannot redistribute across device meshes "
             f"({tuple(src_spec.mesh.shape)} -> {tuple(dst_spec.mesh.shape)}); "
@@ -182,7 +182,7 @@ def redistribute_local(local: torch.Tensor, src_spec, dst_spec, *, implicit: boo
         )
     if checks_enabled():  # opt-in collective check that every rank moves the same layouts
         _agreement.verify("redistribute", src_spec.mesh, local, src_spec, None, target=dst_spec)
-    steps, growth = _steps(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
+    steps, growth = _spec_steps(src_spec, dst_spec)
     if growth and implicit:
         _note_growth(src_spec, dst_spec, growth)
     return run_plan(local, steps, src_spec.mesh)
@@ -199,6 +199,29 @@ def _note_growth(src_spec, dst_spec, growth) -> None:
         f"{_gathers.describe_layout(dst_spec.placements)} {'x'.join(map(str, shape))} {str(dtype).replace('torch.', '')}"
     )
     _gathers.note(kind, what, nbytes, src_spec.mesh)
+
+
+def _spec_steps(src_spec, dst_spec) -> tuple:
+    """:func:`_steps` of two specs, memoised on the spec objects themselves.
+
+    Specs are immutable and memoised where they are built (a layer's gradient
+    and its weight's Replicate spec are the same objects every step), so the
+    identity lookup skips building and hashing two layouts per move (a
+    one-rank mesh's per-parameter gradient moves are mostly this lookup). The
+    entry keeps both specs alive, so their ids cannot be reused while it stands.
+    """
+    key = (id(src_spec), id(dst_spec))
+    hit = _SPEC_STEPS.get(key)
+    if hit is not None and hit[0] is src_spec and hit[1] is dst_spec:
+        return hit[2]
+    found = _steps(layout_of(src_spec), layout_of(dst_spec), src_spec.mesh_shape)
+    if len(_SPEC_STEPS) >= 1024:
+        _SPEC_STEPS.clear()
+    _SPEC_STEPS[key] = (src_spec, dst_spec, found)
+    return found
+
+
+_SPEC_STEPS: dict = {}
 
 
 @lru_cache(maxsize=1024)

@@ -430,7 +430,9 @@ class torch_function_state_as:
         torch._C._set_torch_function_state(self._previous)
 
 
-def run_autograd_engine(outputs, grad_outputs, *, retain_graph, create_graph, inputs, accumulate_grad, allow_unused=True):
+def run_autograd_engine(
+    outputs, grad_outputs, *, retain_graph, create_graph, inputs, accumulate_grad, allow_unused=True, made=False
+):
     """Run the autograd engine directly, past ``torch.autograd``'s ``__torch_function__`` check.
 
     ``torch.autograd.backward``/``grad`` hand subclass tensors to
@@ -441,7 +443,8 @@ def run_autograd_engine(outputs, grad_outputs, *, retain_graph, create_graph, in
     the caller's torch-function state.
     """
     outputs = tuple(outputs)
-    grads = torch.autograd._make_grads(outputs, tuple(grad_outputs), is_grads_batched=False)
+    # ``made``: the caller built every gradient as ``_make_grads`` would (implicit ones of scalar outputs)
+    grads = tuple(grad_outputs) if made else torch.autograd._make_grads(outputs, tuple(grad_outputs), is_grads_batched=False)
     if retain_graph is None:
         retain_graph = create_graph
     return torch.autograd.graph._engine_run_backward(

@@ -35,6 +35,14 @@ addressed by ``(mesh, mesh_dim)``) so they stay traceable by ``torch.compile``.
 The exceptions are point to point: :func:`send_recv` (ring schedules, eager
 only) and :func:`neighbour_exchange` (halos), which runs eagerly as point to
 point with its few peers and falls back to :func:`all_to_all_v` while traced.
+
+**One-rank groups.** Over a mesh dim that holds one rank (every dim of a
+world of one, the ``"ddp"`` dim of a ``1 x N`` mesh) every collective here is
+an identity, a local copy at most, and none calls torch.distributed (nor the
+stall check's wait, which has nothing to wait for): :func:`_alone` decides,
+for every kind. The call is still recorded, with the bytes it records over
+one rank (zero, except :func:`send_recv`'s payload), so counters and
+``debug.explain`` see the same records at every world size.
 """
 
 from __future__ import annotations
@@ -208,6 +216,11 @@ def _record(kind: str, sent: int, received: int, mesh: DeviceMesh, mesh_dim: int
         sink.record(kind, sent, received, mesh, mesh_dim)
 
 
+def _alone(mesh: DeviceMesh, mesh_dim: int) -> bool:
+    """Whether ``mesh_dim`` holds this rank only: its collectives are identities and skip torch.distributed."""
+    return mesh.size(mesh_dim) == 1
+
+
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
@@ -229,12 +242,13 @@ def all_to_all_v(
     1, ... of ``mesh_dim``; ``in_splits[j]`` rows go to coordinate ``j`` and
     ``out_splits[j]`` rows arrive from it, back to back in coordinate order.
     """
+    if _alone(mesh, mesh_dim):  # the rows for this rank are all there is, both ways
+        _record(kind, 0, 0, mesh, mesh_dim)
+        return chunks_in
     line = _mesh_order.line(mesh, mesh_dim)
     me = line.me
     row = _nbytes(_row_numel(chunks_in), chunks_in.dtype)
     _record(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row, mesh, mesh_dim)
-    if mesh.size(mesh_dim) == 1:
-        return chunks_in
     if line.to_group is None:
         return tc.all_to_all_single(chunks_in.contiguous(), out_splits, in_splits, mesh, mesh_dim, _stall.wait)
     # The backend takes and returns pieces in group-rank order: reorder both ways (one copy each).
@@ -323,6 +337,8 @@ def post_neighbour_exchange(
     row = _nbytes(_row_numel(chunks_in), chunks_in.dtype)
     receiving = sum(n for _, n in recv_peers)
     _record(kind, (sending - (to_me or 0)) * row, (receiving - (from_me or 0)) * row, mesh, mesh_dim)
+    if _alone(mesh, mesh_dim):  # rows to this rank itself, if any: a local copy
+        return Posted(chunks_in.clone(memory_format=torch.contiguous_format) if to_me else chunks_in.new_empty(chunks_in.shape))
     received = chunks_in.new_empty((receiving, *chunks_in.shape[1:]))
     if chunks_in.device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
         return Posted(received)
@@ -392,6 +408,9 @@ def all_gather_v(
     Over more than one rank the result is contiguous, whatever the strides of
     ``local`` (see :func:`_concat`).
     """
+    if _alone(mesh, mesh_dim):
+        _record("all_gather", 0, 0, mesh, mesh_dim)
+        return local
     group = mesh.size(mesh_dim)
     line = _mesh_order.line(mesh, mesh_dim)
     me = line.me
@@ -404,8 +423,6 @@ def all_gather_v(
         mesh,
         mesh_dim,
     )
-    if group == 1:
-        return local
     dim = dim % max(local.ndim, 1)
     flat = local.contiguous().reshape(-1)  # no copy for a contiguous shard
     arriving = sizes if line.to_coord is None else [sizes[c] for c in line.to_coord]  # in group-rank order
@@ -465,12 +482,12 @@ def reduce_scatter_v(
     ``(P-1) * piece`` bytes in, the minimum for a reduce-scatter.
     """
     tc.check_reducible(local.dtype, reduce_op)
+    if _alone(mesh, mesh_dim):
+        _record("reduce_scatter", 0, 0, mesh, mesh_dim)
+        return _finish_reduce(local, reduce_op, 1)
     group = mesh.size(mesh_dim)
     me = _mesh_order.coordinate(mesh, mesh_dim)
     sizes = [int(s) for s in sizes]
-    if group == 1:
-        _record("reduce_scatter", 0, 0, mesh, mesh_dim)
-        return _finish_reduce(local, reduce_op, 1)
     dim = dim % local.ndim
     moved = local.movedim(dim, 0).contiguous()
     received = all_to_all_v(moved, sizes, [sizes[me]] * group, mesh, mesh_dim, kind="reduce_scatter")
@@ -505,11 +522,12 @@ def _finish_reduce(t: torch.Tensor, reduce_op: str, group: int) -> torch.Tensor:
 def all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Reduce over ``mesh_dim``; ``reduce_op`` is one of sum, avg, max, min."""
     tc.check_reducible(tensor.dtype, reduce_op)  # on one rank too: what is refused must not depend on the mesh
-    group = mesh.size(mesh_dim)
-    ring = _nbytes(tensor.numel(), tensor.dtype) * 2 * (group - 1) // max(group, 1)
-    _record("all_reduce", ring, ring, mesh, mesh_dim)
-    if group == 1:
+    if _alone(mesh, mesh_dim):
+        _record("all_reduce", 0, 0, mesh, mesh_dim)
         return tensor
+    group = mesh.size(mesh_dim)
+    ring = _nbytes(tensor.numel(), tensor.dtype) * 2 * (group - 1) // group
+    _record("all_reduce", ring, ring, mesh, mesh_dim)
     op = "sum" if reduce_op == "avg" else reduce_op
     out = tc.all_reduce(tensor.contiguous(), op, mesh, mesh_dim, _stall.wait)
     return _finish_reduce(out, reduce_op, group)
@@ -517,13 +535,14 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim:
 
 def broadcast(tensor: torch.Tensor, src: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Copy ``tensor`` from coordinate ``src`` of ``mesh_dim`` to all its ranks."""
+    if _alone(mesh, mesh_dim):
+        _record("broadcast", 0, 0, mesh, mesh_dim)
+        return tensor
     group = mesh.size(mesh_dim)
     line = _mesh_order.line(mesh, mesh_dim)
     me = line.me
     n = _nbytes(tensor.numel(), tensor.dtype)
     _record("broadcast", n * (group - 1) if me == src else 0, 0 if me == src else n, mesh, mesh_dim)
-    if group == 1:
-        return tensor
     return tc.broadcast(tensor.contiguous(), src if line.to_group is None else line.to_group[src], mesh, mesh_dim, _stall.wait)
 
 
@@ -533,6 +552,10 @@ def gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
     Used for metadata (shapes, dtypes). Gathers mesh dim by mesh dim, so it
     needs no process group spanning the whole mesh.
     """
+    if all(_alone(mesh, m) for m in range(mesh.ndim)):  # this rank's row is the table: no tensor round trip
+        for m in reversed(range(mesh.ndim)):
+            _record("all_gather", 0, 0, mesh, m)
+        return [[int(v) for v in values]]
     block = torch.tensor(list(values), dtype=torch.int64, device=mesh_device(mesh)).reshape(
         (1,) * mesh.ndim + (len(values),)
     )
@@ -585,8 +608,9 @@ def send_recv(
 
     ``recv_like`` lists ``(shape, dtype)`` of the tensors that arrive (the
     receiver always knows them from the layout, so nothing but payload moves).
-    Both are coordinates along ``mesh_dim``, other than this rank's
-    (a group of one has nothing to exchange). Empty tensors are not
+    Both are coordinates along ``mesh_dim``, other than this rank's, except
+    in a ring of one (a mesh dim of one rank), where the rank receives what it
+    sends: local copies, no torch.distributed call. Empty tensors are not
     transmitted, on either side, so uneven layouts with empty shards need no
     special casing. Uses ``batch_isend_irecv`` (gloo and NCCL alike); ``tag``
     keeps two outstanding exchanges between the same ranks apart on backends
@@ -603,6 +627,10 @@ def send_recv(
         mesh_dim,
     )
     if device.type == "meta":  # debug.simulate: shapes without data; the bytes are counted above
+        return Exchange(received, [], sent)
+    if _alone(mesh, mesh_dim):  # a ring of one: what this rank sends is what it receives, in order
+        for r, t in zip([r for r in received if r.numel()], sent):
+            r.copy_(t.reshape(r.shape))
         return Exchange(received, [], sent)
     works, wires, landing = _post([(to_rank, t) for t in sent], [(from_rank, t) for t in received], mesh, mesh_dim, tag)
     return Exchange(received, works, wires, landing)

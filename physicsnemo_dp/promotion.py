@@ -168,24 +168,46 @@ def _summed(grads, specs) -> list:
         return [_whole(grads[0], specs[0]) if isinstance(grads[0], ShardTensor) else grads[0]]
     out = list(grads)
     pools: dict = {}
+    mesh = specs[0].mesh  # one Promote call, one mesh
+    alone = tuple(mesh.size(m) == 1 for m in range(mesh.ndim))
     for i, g in enumerate(grads):
         if not isinstance(g, ShardTensor):
             continue  # no gradient, or a plain one (already whole)
-        if all(issubclass(type(p), (Partial, Replicate)) for p in g._spec.placements) and g._spec.placements != specs[i].placements:
-            pools.setdefault((g._spec.placements, g._local_tensor.dtype), []).append(i)
+        placements = g._spec.placements
+        pooled = False  # a pending sum over more than one rank, of Replicate/Partial placements only
+        if not _same_placements(placements, specs[i].placements):
+            for m, p in enumerate(placements):
+                kind = type(p)
+                if issubclass(kind, Partial):
+                    pooled = pooled or not alone[m]
+                elif not issubclass(kind, Replicate):
+                    pooled = False
+                    break
+        if pooled:  # else: already whole, another layout, or a sum over one rank (nothing to pack): moved alone
+            pools.setdefault((placements, g._local_tensor.dtype), []).append(i)
         else:
             out[i] = _whole(g, specs[i])
     for (placements, dtype), members in pools.items():
-        mesh = specs[members[0]].mesh
-        if len(members) == 1 or all(mesh.size(m) == 1 for m, p in enumerate(placements) if issubclass(type(p), Partial)):
-            for i in members:  # one tensor, or one rank (nothing is summed): no buffer to pack
-                out[i] = _whole(grads[i], specs[i])
+        if len(members) == 1:  # one tensor: no buffer to pack
+            out[members[0]] = _whole(grads[members[0]], specs[members[0]])
             continue
         flat = torch.cat([grads[i]._local_tensor.reshape(-1) for i in members])
         whole = redistribute_local(flat, *_flat_specs(mesh, placements, flat.numel(), dtype), implicit=False)
         for i, part in zip(members, whole.split_with_sizes([grads[i]._local_tensor.numel() for i in members])):
             out[i] = part.view(grads[i]._local_tensor.shape)
     return out
+
+
+def _same_placements(a, b) -> bool:
+    """``a == b`` for placement tuples, without torch's Python ``__eq__`` where the kinds or objects decide (~5 us)."""
+    if a is b:
+        return True
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is not y and (type(x) is not type(y) or x != y):
+            return False
+    return True
 
 
 def _whole(grad, spec) -> torch.Tensor:

@@ -11,11 +11,13 @@ ShardTensor output as the full gradient on every rank (``Replicate``).
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.tensor.placement_types import Replicate
+import math
 
-from .._torch_compat import run_autograd_engine
-from ..rule_kit import plain_gradient, shard_tensor_cls
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from .._torch_compat import run_autograd_engine, torch_function_disabled
+from ..rule_kit import plain_gradient, shard_tensor_cls, wrap
 from ..spec import ShardTensorSpec
 
 __all__ = ["AUTOGRAD_ENTRIES"]
@@ -34,14 +36,49 @@ def _as_output_grads(outputs, grads):
     return tuple(out)
 
 
+def _implicit_grads(outputs, grads):
+    """The gradients ``torch.autograd`` makes for ``loss.backward()`` on scalar ShardTensor losses, or None.
+
+    ``_make_grads`` reads ``requires_grad``, ``numel()``, ``dtype``, ``is_nested`` and
+    ``shape`` of each output and calls ``ones_like``: six calls through
+    ``__torch_function__`` (~40 us). With no gradient given and every output a
+    real floating scalar ShardTensor that requires grad, the result is known:
+    ones in the output's layout without pending sums, what the ``ones_like``
+    rule gives. Anything else (a gradient given, a non-scalar, an integer loss,
+    an output that needs no grad) returns None and takes torch's path, with its checks and messages.
+    """
+    ShardTensor = shard_tensor_cls()
+    made = []
+    for t, g in zip(outputs, grads):
+        if g is not None or type(t) is not ShardTensor:
+            return None
+        spec = t._spec
+        if math.prod(spec.global_shape) != 1 or not spec.tensor_meta.dtype.is_floating_point:
+            return None
+        with torch_function_disabled():
+            if not t.requires_grad:
+                return None
+        made.append(wrap(torch.ones_like(t._local_tensor, memory_format=torch.preserve_format), _without_partial(spec)))
+    return tuple(made)
+
+
+def _without_partial(spec):
+    """``spec`` with pending sums resolved to Replicate (the layout ``ones_like`` gives)."""
+    if not any(issubclass(type(p), Partial) for p in spec.placements):
+        return spec
+    placements = tuple(Replicate() if issubclass(type(p), Partial) else p for p in spec.placements)
+    return spec.with_layout(placements, spec.dim_sizes)
+
+
 def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
     if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
         grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
-    grad_tensors = _as_output_grads(tensors, grad_tensors)
+    made = _implicit_grads(tensors, grad_tensors)
+    grad_tensors = made if made is not None else _as_output_grads(tensors, grad_tensors)
     run_autograd_engine(
         tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph,
-        inputs=inputs or (), accumulate_grad=True,
+        inputs=inputs or (), accumulate_grad=True, made=made is not None,
     )
 
 

@@ -355,9 +355,34 @@ def _freeze(a):
     return tuple(_freeze(v) for v in a) if isinstance(a, (list, tuple)) else a
 
 
+def _own_shape(size, spec) -> bool:
+    """Whether ``size`` (a view's argument) is the global shape of ``spec`` itself, as plain ints."""
+    shape = spec.global_shape
+    if len(size) != len(shape):
+        return False
+    for s, g in zip(size, shape):
+        if type(s) is not int or s != g:  # symbolic sizes and -1 take the planned path
+            return False
+    return True
+
+
+def _same_shape_view(func, args, kwargs):
+    """``view``/``_unsafe_view`` to the tensor's own shape (what AOTAutograd runs on every compiled output).
+
+    The output has the input's spec, and its local tensor is the local
+    tensor's view to its own shape, as the planned path computes it
+    (``reshape`` to an unchanged shape is a view): no plan lookup.
+    """
+    x = args[0]
+    local = x._local_tensor
+    return wrap(local.view(local.shape), x._spec)
+
+
 def _planned(func, args, kwargs):
     """The rule of every planned view op: look the plan up, run it on the local tensor."""
     x = args[0]
+    if func in _SHAPE_VIEWS and not kwargs and len(args) == 2 and _own_shape(args[1], x._spec):
+        return _same_shape_view(func, args, kwargs)
     key = (func, x._spec, _freeze(args[1:]), tuple(sorted(kwargs.items())))
     try:
         vp = propagate(*key)
@@ -385,6 +410,8 @@ def _as_strided(func, args, kwargs):
         "or gather first with x.full_tensor()."
     )
 
+
+_SHAPE_VIEWS = frozenset((aten.view.default, aten._unsafe_view.default))
 
 _PLANNERS.update({
     aten.view.default: _plan_view,

@@ -221,3 +221,33 @@ def test_loss_collectives(ctx):
         with count_collectives() as counter:
             F.cross_entropy(x, t, reduction=reduction).item()
         assert dict(counter.calls) == {"all_reduce": 2 * ctx.mesh.ndim}, (reduction, counter.calls)
+
+
+@distributed(world_sizes=OP_WORLD_SIZES)
+def test_backward_of_a_scalar_loss_makes_its_gradient_without_torchs_checks(ctx):
+    """``loss.backward()`` / ``torch.autograd.backward(loss)`` on a real scalar ShardTensor: the implicit
+    gradient (ones, pending sums resolved) is built without ``torch.autograd._make_grads`` (six calls through
+    ``__torch_function__``); gradients are the one-process ones. Anything else keeps torch's checks."""
+    make_grads = torch.autograd._make_grads
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("_make_grads called for an implicit scalar gradient")
+
+    ref = _g().requires_grad_(True)
+    ref.square().mean().backward()
+    for placements in layouts(ctx.mesh, 3, partial=True):
+        torch.autograd._make_grads = refuse
+        try:
+            x = shard_from_global(_g(), make_spec(ctx.mesh, placements, SHAPE), requires_grad=True)
+            x.square().mean().backward()
+            torch.testing.assert_close(x.grad.full_tensor(), ref.grad.to(x.grad.device))
+            x = shard_from_global(_g(), make_spec(ctx.mesh, placements, SHAPE), requires_grad=True)
+            torch.autograd.backward((x * 3).sum())  # the entry itself (a Partial loss stays Partial here)
+            assert torch.equal(x.grad.full_tensor(), torch.full(SHAPE, 3.0, dtype=torch.float64))
+        finally:
+            torch.autograd._make_grads = make_grads
+        x = shard_from_global(_g(), make_spec(ctx.mesh, placements, SHAPE), requires_grad=True)
+        with pytest.raises(RuntimeError, match="only for scalar outputs"):  # torch's own check and message
+            torch.autograd.backward(x * 2)
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            torch.autograd.backward(x.detach().sum())

@@ -36,6 +36,8 @@ RESHAPES = [
     lambda x: x.transpose(0, 1).reshape(5, 21),
     lambda x: torch.reshape(x.permute(2, 0, 1), (3, 35)) * 2,
     lambda x: torch.ops.aten._unsafe_view(x * 1, [7, 15]),
+    lambda x: x.reshape(7, 5, 3) * 2,  # its own shape
+    lambda x: x.view(7, -1, 3),  # its own shape through -1 (planned)
 ]
 
 
@@ -44,6 +46,34 @@ def test_reshapes(ctx):
     for i, fn in enumerate(RESHAPES):
         for placements in layouts(ctx.mesh, 3, partial=True):
             check(fn, [(_g(), placements)], ctx.mesh, label=f"reshape[{i}]")
+
+
+@distributed(world_sizes=OP_WORLD_SIZES)
+def test_view_to_its_own_shape_keeps_the_spec_without_planning(ctx):
+    """``view``/``_unsafe_view``/``reshape`` to the tensor's own shape (AOTAutograd's output views): the
+    input's spec, its local memory viewed, gradients as the global op's; no plan is looked up."""
+    from physicsnemo_dp.rules import views
+
+    def refuse(*args):
+        raise AssertionError("a view to the tensor's own shape was planned")
+
+    planned = views.propagate
+    views.propagate = refuse
+    try:
+        for placements in layouts(ctx.mesh, 3, partial=True):
+            check(lambda x: torch.ops.aten._unsafe_view(x * 1, [7, 5, 3]), [(_g(), placements)], ctx.mesh)
+            x = shard_from_global(_g(), make_spec(ctx.mesh, placements, SHAPE), requires_grad=True)
+            for op in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+                y = op(x, list(SHAPE))
+                assert y._spec is x._spec, (op, placements)
+                assert y._local_tensor is not x._local_tensor  # a view, as the global op gives
+                assert y._local_tensor.data_ptr() == x._local_tensor.data_ptr()
+                assert y._local_tensor.stride() == x._local_tensor.stride()
+    finally:
+        views.propagate = planned
+    x = shard_from_global(_g(), make_spec(ctx.mesh, [Shard(0)] * ctx.mesh.ndim, SHAPE))
+    with pytest.raises(RuntimeError, match="shape"):  # a wrong shape still meets torch's own check
+        x.view(7, 5, 4)
 
 
 @distributed(world_sizes=OP_WORLD_SIZES)

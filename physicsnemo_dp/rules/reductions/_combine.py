@@ -94,9 +94,10 @@ def kept_grad(grad, red) -> torch.Tensor:
     the reduced mesh dims (resolving pending sums there, the only
     communication), then given back its reduced dims as size-1 dims.
     """
-    spec = red.grad_spec(grad.dtype)
     if isinstance(grad, shard_tensor_cls()):
+        spec = red.grad_spec(grad._spec.tensor_meta.dtype)  # not ``grad.dtype``: a torch-function call
         local = to_layout(grad, spec)
     else:
+        spec = red.grad_spec(grad.dtype)
         local = replicated_to_box(grad, spec) if grad.ndim else grad
     return red.with_kept_dims(local)

@@ -74,8 +74,9 @@ class LinearReduction(Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, kind, dims, keepdim, _ = inputs
-        ctx.red = Reduction(x._spec, reduced_dims(dims, x.ndim), keepdim)
-        ctx.kind, ctx.dtype = kind, x.dtype
+        spec = x._spec  # ndim and dtype from the spec: ``x.ndim``/``x.dtype`` go through __torch_function__
+        ctx.red = Reduction(spec, reduced_dims(dims, len(spec.global_shape)), keepdim)
+        ctx.kind, ctx.dtype = kind, spec.tensor_meta.dtype
         if kind == "nansum":
             ctx.save_for_backward(x)
 
@@ -133,7 +134,7 @@ class BestAlongDim(Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, _, dim, keepdim = inputs
-        ctx.red = Reduction(x._spec, reduced_dims(dim, x.ndim), keepdim)
+        ctx.red = Reduction(x._spec, reduced_dims(dim, len(x._spec.global_shape)), keepdim)
         non_differentiable(ctx, output[1])
         ctx.save_for_backward(output[1])
 
@@ -182,7 +183,7 @@ class Prod(Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, dim, keepdim, _ = inputs
-        ctx.red = Reduction(x._spec, reduced_dims(dim, x.ndim), keepdim and dim is not None)
+        ctx.red = Reduction(x._spec, reduced_dims(dim, len(x._spec.global_shape)), keepdim and dim is not None)
         ctx.save_for_backward(x)
 
     @staticmethod

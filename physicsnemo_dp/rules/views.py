@@ -366,14 +366,13 @@ def _own_shape(size, spec) -> bool:
     return True
 
 
-def _same_shape_view(func, args, kwargs):
+def _same_shape_view(x):
     """``view``/``_unsafe_view`` to the tensor's own shape (what AOTAutograd runs on every compiled output).
 
     The output has the input's spec, and its local tensor is the local
     tensor's view to its own shape, as the planned path computes it
     (``reshape`` to an unchanged shape is a view): no plan lookup.
     """
-    x = args[0]
     local = x._local_tensor
     return wrap(local.view(local.shape), x._spec)
 
@@ -382,7 +381,7 @@ def _planned(func, args, kwargs):
     """The rule of every planned view op: look the plan up, run it on the local tensor."""
     x = args[0]
     if func in _SHAPE_VIEWS and not kwargs and len(args) == 2 and _own_shape(args[1], x._spec):
-        return _same_shape_view(func, args, kwargs)
+        return _same_shape_view(x)
     key = (func, x._spec, _freeze(args[1:]), tuple(sorted(kwargs.items())))
     try:
         vp = propagate(*key)

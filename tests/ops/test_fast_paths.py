@@ -6,11 +6,17 @@ run on the local tensors in ``__torch_function__`` (see
 one process, and that the usual route is taken when a gradient is recorded,
 a dispatch mode watches, a dispatch handler is registered for the ATen op, a
 pending sum is involved, or the call writes in place.
+
+The contractions' fast path (``x @ w``, ``F.linear(x, w[, b])`` with plain
+weights, ``rules/matmul._fast_product`` / ``_fast_linear``): taken (no generic
+promotion), bitwise the general path's values and gradients, and stepping aside
+for ShardTensor weights, autocast, other promotion modes, keyword calls and
+user handlers.
 """
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from physicsnemo_dp import ShardTensor
@@ -123,3 +129,146 @@ def test_layer_norm_over_whole_rows_skips_the_plan_and_matches(ctx):
                 torch.testing.assert_close(a, b)
     finally:
         norm.meta_output = meta_output
+
+
+# --------------------------------------------------------------------------- #
+# Contractions with a plain weight: x @ w, F.linear(x, w[, b]) served before promotion
+# --------------------------------------------------------------------------- #
+_CONTRACTIONS = {
+    "x @ w": lambda x, w, b: x @ w,
+    "torch.matmul": lambda x, w, b: torch.matmul(x, w),
+    "F.linear": lambda x, w, b: F.linear(x, w.t()),
+    "F.linear + bias": lambda x, w, b: F.linear(x, w.t(), b),
+}
+
+
+def _contraction_step(ctx, name, G, W, B, placements):
+    """Forward and every gradient of one contraction with plain (leaf) weight and bias; the number of general-path calls."""
+    import physicsnemo_dp.dispatch.torch_function as tf
+
+    w = torch.nn.Parameter(W.clone().t().contiguous().t() if name.startswith("F.linear") else W.clone())
+    b = torch.nn.Parameter(B.clone())
+    x = shard_from_global(G, make_spec(ctx.mesh, placements, G.shape), requires_grad=True)
+    general, promote_args = [], tf.promote_args
+    tf.promote_args = lambda *a: general.append(1) or promote_args(*a)  # counts calls that took the general path
+    try:
+        y = _CONTRACTIONS[name](x, w, b)
+    finally:
+        tf.promote_args = promote_args
+    (y * shard_from_global(torch.ones(y.shape, dtype=G.dtype) / 3, y._spec)).sum().backward()
+    return (y.full_tensor(), x.grad.full_tensor(), w.grad, b.grad), len(general)
+
+
+def _general_path_only():
+    """Context in which the contractions' fast path is off (the handlers keep only the general path)."""
+    import contextlib
+
+    from physicsnemo_dp.rules.matmul import FUNCTIONS
+
+    @contextlib.contextmanager
+    def off():
+        saved = {f: h.before_promotion for f, h in FUNCTIONS.items() if getattr(h, "before_promotion", None)}
+        try:
+            for f in saved:
+                FUNCTIONS[f].before_promotion = None
+            yield
+        finally:
+            for f, fast in saved.items():
+                FUNCTIONS[f].before_promotion = fast
+
+    return off()
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=True)
+def test_contraction_fast_path_is_taken_and_bitwise_the_general_path(ctx):
+    """A ShardTensor times a plain weight skips the general path; values and every gradient are bitwise those of
+    the general path and match one process (uneven rows, an empty shard at world 3, the 2x2 mesh, buckets)."""
+    from physicsnemo_dp import bucket_gradients
+    from physicsnemo_dp.promotion import clear_gradient_buckets
+
+    gen = torch.Generator().manual_seed(5)
+    G, W, B = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((7, 5), (5, 4), (4,)))
+    placements = (Shard(0),) * ctx.mesh.ndim
+    for name, call in _CONTRACTIONS.items():
+        ref_x, ref_w, ref_b = (t.clone().requires_grad_(True) for t in (G, W, B))
+        ref_y = call(ref_x, ref_w, ref_b)
+        (ref_y / 3).sum().backward()
+        ref = (ref_y.detach(), ref_x.grad, ref_w.grad, ref_b.grad if name.endswith("bias") else None)
+        fast, general_calls = _contraction_step(ctx, name, G, W, B, placements)
+        assert general_calls == 0, name
+        with _general_path_only():
+            slow, general_calls = _contraction_step(ctx, name, G, W, B, placements)
+        assert general_calls == 1, name
+        for a, b, r in zip(fast, slow, ref):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+            if r is not None:
+                torch.testing.assert_close(a, r)
+    # gradient buckets: the bucket's node reduces the weight's gradient, as on the general path
+    lin = torch.nn.Linear(5, 4, dtype=torch.float64)
+    bucket_gradients(lin)
+    try:
+        grads = []
+        for off in (False, True):
+            lin.zero_grad()
+            x = shard_from_global(G, make_spec(ctx.mesh, placements, G.shape), requires_grad=True)
+            with _general_path_only() if off else torch.enable_grad():
+                lin(x).sum().backward()
+            grads.append((lin.weight.grad.clone(), lin.bias.grad.clone(), x.grad.full_tensor()))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        clear_gradient_buckets()
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_contraction_fast_path_steps_aside(ctx):
+    """The general path serves a ShardTensor weight, autocast, a promotion mode other than SILENT, keyword
+    calls and a user's function handler; under checks the fast path runs the same plan and values."""
+    import contextlib
+    import warnings
+
+    import physicsnemo_dp.dispatch.torch_function as tf
+    from physicsnemo_dp import promotion_mode
+    from physicsnemo_dp.debug import checks
+
+    G = integer_tensor((6, 4), seed=7, dtype=torch.float32)
+    W = integer_tensor((4, 3), seed=8, dtype=torch.float32)
+    x = shard_from_global(G, make_spec(ctx.mesh, (Shard(0),), G.shape, dtype=G.dtype))
+    w = torch.nn.Parameter(W.clone())
+    general, promote_args = [], tf.promote_args
+    tf.promote_args = lambda *a: general.append(1) or promote_args(*a)
+    try:
+        general.clear()
+        x @ shard_from_global(W, make_spec(ctx.mesh, (Replicate(),), W.shape, dtype=W.dtype))
+        assert general, "ShardTensor weight"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            general.clear()
+            y = x @ w
+            assert general and y.dtype == torch.bfloat16, "autocast"
+        general.clear()
+        F.linear(x, weight=w.t())
+        assert general, "keyword"
+        with promotion_mode("warn"), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            general.clear()
+            x @ w
+            assert general and seen, "warn mode"
+        with promotion_mode("disabled"):
+            try:
+                x @ w
+                raise AssertionError("DISABLED promotion must refuse a plain weight")
+            except Exception as e:  # the general path's PromotionError
+                assert "DISABLED" in str(e)
+        handled = []
+        from physicsnemo_dp.dispatch.registry import function_handlers
+
+        with contextlib.ExitStack() as stack:  # (``x @ w`` reaches the hook as one of these, by torch version)
+            for f in (torch.Tensor.__matmul__, torch.matmul, torch.Tensor.matmul):
+                stack.enter_context(function_handlers.override(f, lambda f, t, a, k: handled.append(1) or "user"))
+            assert x @ w == "user" and handled
+        general.clear()
+        with checks():
+            y = x @ w
+        assert not general
+        torch.testing.assert_close(y.full_tensor(), G @ W)
+    finally:
+        tf.promote_args = promote_args

@@ -25,11 +25,12 @@ from functools import lru_cache, partial
 
 import torch
 
-from ..._torch_compat import torch_function_disabled
-from ...promotion import promote
+from ..._torch_compat import any_autocast_enabled, torch_function_disabled
+from ... import promotion as _promotion, rule_kit as _rule_kit
+from ...promotion import TensorPromotionMode, promote, promote_together
 from ...propagation import OpPlan, moves
 from ...rule_kit import shard_tensor_cls
-from .contract import Contraction, Equation, output_shape, prepare, propagate, run
+from .contract import Contraction, Equation, Prepared, output_shape, prepare, propagate, run
 from .einsum import parse_einsum
 
 aten = torch.ops.aten
@@ -205,6 +206,117 @@ def _einsum_handler(func, types, args, kwargs):
     return _differentiable(eq, 1, 1, None, *operands)
 
 
+# --------------------------------------------------------------------------- #
+# Fast path: a sharded operand times a plain weight (``x @ w``, ``F.linear(x, w, b)``)
+# --------------------------------------------------------------------------- #
+#: The plain tensor types a model's weights have (DTensors and other subclasses take the general path).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SILENT = TensorPromotionMode.SILENT
+
+#: (kind, id(x spec), id(weight spec), id(bias spec) or None, dtype) -> (the specs, the plan): the plans of
+#: the fast path, looked up by the identity of the memoised specs (the ShardTensor's, and the promoted
+#: weight's and bias's from :func:`~physicsnemo_dp.promotion.promote`). Each entry keeps its specs alive, so
+#: no other spec can have their ids while it stands. Bounded like the other plan caches.
+_FAST: dict = {}
+_FAST_SIZE = 4096
+
+
+def _fast_applies(x, ShardTensor) -> bool:
+    """Whether the fast path may serve a call with ShardTensor ``x`` first and plain tensors after it.
+
+    What the general path would do differently otherwise: a promotion mode other than SILENT (an error, or a
+    warning per promotion) and autocast (the operands' casts, :mod:`...dispatch.autocast`) take it.
+    """
+    return type(x) is ShardTensor and _promotion._mode is _SILENT and not any_autocast_enabled()
+
+
+def _fast_plan(key, build) -> Prepared:
+    hit = _FAST.get(key)
+    if hit is not None:
+        return hit[1]
+    prepared, specs = build()
+    if len(_FAST) >= _FAST_SIZE:
+        _FAST.clear()
+    _FAST[key] = (specs, prepared)
+    return prepared
+
+
+def _fast_product(op: _Product, func, types, args, kwargs):
+    """``x @ w`` (``matmul``, ``mm``, ...) with ``x`` a ShardTensor and ``w`` a plain tensor, before promotion.
+
+    The same steps as the general path (:func:`~physicsnemo_dp.promotion.promote` of the weight, the
+    memoised plan, :class:`.contract.Contraction`), without its generic routing, argument rebuilds and
+    equation and plan lookups: the plan is found by the identity of the two specs. ``NotImplemented``
+    sends every other call form to the general path.
+    """
+    if kwargs or len(args) != 2:
+        return NotImplemented
+    x, w = args
+    # _fast_applies inlined (this runs on every x @ w)
+    if type(w) not in _PLAIN or type(x) is not _rule_kit._SHARD_TENSOR_CLS:
+        return NotImplemented
+    if _promotion._mode is not _SILENT or any_autocast_enabled():
+        return NotImplemented
+    wv = promote(w, x._spec.mesh)
+    spec, w_spec = x._spec, wv._spec
+    key = (op, id(spec), id(w_spec), None, x._local_tensor.dtype)
+    hit = _FAST.get(key)
+    if hit is not None:
+        prepared = hit[1]
+    else:
+
+        def build():
+            eq = _product_equation(op, spec.global_shape, w_spec.global_shape)
+            return prepare(eq, (x, wv)), (spec, w_spec)
+
+        prepared = _fast_plan(key, build)
+    if torch.is_grad_enabled():
+        return Contraction.apply(prepared, 1, 1, None, x, wv)
+    return run(prepared, (x, wv), None, 1, 1)
+
+
+def _fast_linear(func, types, args, kwargs):
+    """``F.linear(x, w)`` / ``F.linear(x, w, b)`` with ``x`` a ShardTensor and plain ``w``, ``b`` (see :func:`_fast_product`).
+
+    The weight and bias are promoted together (one node, one reduction of their gradients), as
+    :func:`~physicsnemo_dp.promotion.promote_args` promotes a layer's plain tensors.
+    """
+    if kwargs or not 2 <= len(args) <= 3:
+        return NotImplemented
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) == 3 else None
+    if type(w) not in _PLAIN or not _fast_applies(x, _rule_kit._SHARD_TENSOR_CLS):
+        return NotImplemented
+    mesh = x._spec.mesh
+    if bias is None:
+        wv, bv = promote(w, mesh), None
+    elif type(bias) in _PLAIN and bias.ndim > 0 and w.ndim > 0:  # (0-dim ones: promoted alone, general path)
+        wv, bv = promote_together((w, bias), mesh)
+    else:
+        return NotImplemented
+    spec, w_spec, b_spec, dtype = x._spec, wv._spec, None if bv is None else bv._spec, x._local_tensor.dtype
+
+    def build():
+        eq = linear_equation(spec.global_shape, w_spec.global_shape)
+        if bv is not None:
+            _check_bias("linear", b_spec.global_shape, output_shape(eq, (spec.global_shape, w_spec.global_shape)))
+        return prepare(eq, (x, wv), bv, 1), (spec, w_spec, b_spec)
+
+    prepared = _fast_plan((_LINEAR, id(spec), id(w_spec), None if b_spec is None else id(b_spec), dtype), build)
+    if torch.is_grad_enabled():
+        return Contraction.apply(prepared, 1, 1, bv, x, wv)
+    return run(prepared, (x, wv), bv, 1, 1)
+
+
+_LINEAR = _Product("linear", None, True)  # a key of :data:`_FAST` only
+
+
+def _with_fast_path(handler, fast):
+    """``handler`` offering each call to ``fast`` first (the hook's ``before_promotion``, :mod:`...dispatch.table`)."""
+    handler.before_promotion = fast
+    return handler
+
+
 def _product_functions():
     table = {
         _MATMUL: (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__),
@@ -216,12 +328,16 @@ def _product_functions():
         _BADDBMM: (torch.baddbmm, torch.Tensor.baddbmm),
         _ADDMV: (torch.addmv, torch.Tensor.addmv),
     }
-    return {f: partial(_product_handler, op) for op, funcs in table.items() for f in funcs}
+    return {
+        f: _with_fast_path(partial(_product_handler, op), None if op.bias else partial(_fast_product, op))
+        for op, funcs in table.items()
+        for f in funcs
+    }
 
 
 FUNCTIONS: dict = {
     **_product_functions(),
-    torch.nn.functional.linear: _linear_handler,
+    torch.nn.functional.linear: _with_fast_path(partial(_linear_handler), _fast_linear),
     torch.einsum: _einsum_handler,
 }
 

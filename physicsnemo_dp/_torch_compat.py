@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -527,22 +528,47 @@ def on_real_tensors(fn):
     return wrapper
 
 
-def graph_constant(table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def graph_constant(table: torch.Tensor, like: torch.Tensor, shared: bool = False) -> torch.Tensor:
     """A small real tensor (an index or weight table) on ``like``'s device, usable where ``like`` is traced.
 
     Eagerly this is ``table.to(like.device)``. When ``like`` is a tracing
     stand-in, the values are re-created inside the trace (``torch.tensor``),
     so they become a constant of the graph instead of a real tensor that fake
-    tensors refuse to mix with.
+    tensors refuse to mix with. Each such constant enters the graph through
+    ``lift_fresh_copy``, which Inductor compiles to a copy run on every call.
+
+    ``shared=True`` (read-only tables: indices no op writes into) lifts each
+    table once per traced graph and hands every later use in the same trace
+    the same graph tensor: a MeshGraphNet's graph tables are read by every
+    layer, forward and backward, and were copied once per read (24 copies a
+    step for 4 layers; ``tests/compile/test_one_rank.py``).
     """
     if not traced(like):
         return table.to(like.device)
+    memo = key = None
+    if shared:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()  # one per traced graph (the joint forward and backward of AOTAutograd)
+        if mode is not None:
+            memo = _LIFTED.setdefault(mode, {})
+            key = (id(table), like.device)
+            hit = memo.get(key)
+            if hit is not None and hit[0] is table:
+                return hit[1]
     # Made outside the tracing modes, then lifted (what ``torch.tensor`` does): inside a subclass's
     # __torch_dispatch__ the Conjugate/Negative keys are excluded and ``torch.tensor`` itself fails under
     # fake tensors (its internal ``resolve_conj`` reaches the fake mode with a real tensor).
     with real_tensors():
         real = table.to(like.device, copy=True)
-    return torch.ops.aten.lift_fresh.default(real)
+    lifted = torch.ops.aten.lift_fresh.default(real)
+    if memo is not None:
+        memo[key] = (table, lifted)  # the table is kept alive with its entry: its id is not reused meanwhile
+    return lifted
+
+
+#: proxy tracing mode (one traced graph) -> {(id(table), device): (table, its graph tensor)}; entries go with the mode
+_LIFTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def assert_in_graph(condition: torch.Tensor, message: str) -> None:

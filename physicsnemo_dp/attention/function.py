@@ -64,7 +64,11 @@ def ring_attention(q, k, v, mask, ap: AttentionPlan):
 
 
 def attention(q, k, v, mask, ap: AttentionPlan):
-    """The attention output for canonical inputs in the plan's layout; the ring goes through its compile-excluded entry."""
-    if ap.layout.kind == "ring":
+    """The attention output for canonical inputs in the plan's layout; the ring goes through its compile-excluded entry.
+
+    A ring of one rank (the sequence's mesh dim has size 1) sends nothing: it runs the local schedule
+    and is traced like it, so a model compiles as one graph on such a mesh (no break at the attention).
+    """
+    if ap.layout.kind == "ring" and ap.schedule.size > 1:
         return ring_attention(q, k, v, mask, ap)
     return SDPAFunction.apply(q, k, v, mask, ap)[0]

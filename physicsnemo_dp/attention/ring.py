@@ -167,9 +167,9 @@ def _chunk(g: Grouped, start: int, length: int) -> Grouped:
 
 
 def ring_forward(g: Grouped, ap: AttentionPlan):
-    _eager_only(g)
     if ap.schedule.size == 1:  # a ring of one rank: its own block is every key, attended to as the local kind does
-        return local_forward(g, ap)
+        return local_forward(g, ap)  # (nothing travels: traceable, see function.attention)
+    _eager_only(g)
     ring, options = _Ring(ap), ap.options
     out, lse = g.accumulators()
     parcel, held = _Parcel(g, ring), None
@@ -204,9 +204,9 @@ def _arrived_now(pending):
 
 
 def ring_backward(g: Grouped, ap: AttentionPlan, dout, out, lse):
-    _eager_only(g)
     if ap.schedule.size == 1:  # nothing travels: no head chunks, the local kind's backward
         return local_backward(g, ap, dout, out, lse)
+    _eager_only(g)
     ring, options = _Ring(ap), ap.options
     delta = (dout * out).sum(-1) if needs_delta(g.q, g.v, g.mask, out) else None
     dq = torch.zeros_like(g.q)

@@ -83,18 +83,15 @@ def aggregate(gi: GraphIndex, kind: str, x, index, src, *, in_place: bool, **opt
     """
     graph = gi.graph
     out = _node_local(x, graph, "the aggregation target (self)")
-    if not in_place or out is not x._local_tensor:
-        out = out.clone()
     msg = _edge_local(src, graph, "the messages (src)") if isinstance(src, torch.Tensor) else src
     idx = table(graph.dst_local, out) if kind == "index_add" else gi.local_dst(index._local_tensor)
-    if kind == "index_add":
-        out.index_add_(0, idx, msg, **options)
-    elif kind == "scatter_add":
-        out.scatter_add_(0, idx, msg)
-    elif kind == "scatter_reduce":
-        out.scatter_reduce_(0, idx, msg, **options)
+    # Into the target's own local tensor in place; otherwise torch's out-of-place op, which writes a new
+    # tensor as plain torch's does (not a clone and an in-place op: two ops in a traced graph).
+    if in_place and out is x._local_tensor:
+        op, args = getattr(out, f"{kind}_"), (0, idx, msg)
     else:
-        out.scatter_(0, idx, msg)
+        op, args = getattr(torch, kind), (out, 0, idx, msg)
+    out = op(*args, **(options if kind in ("index_add", "scatter_reduce") else {}))
     spec = graph.node_spec(tuple(x.shape), out.dtype)
     if in_place:
         x._local_tensor, x._spec = out, spec

@@ -111,8 +111,9 @@ def plan_rows(ids: torch.Tensor, sizes, mesh, mesh_dim: int, *, head=(), check=N
 
 def table(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A plan's index table ``t`` for an op on ``like``: ``t`` itself, or while torch.compile traces ``like``
-    (a fake or functional stand-in) the same values as a constant of the traced graph."""
-    return graph_constant(t, like) if traced(like) else t
+    (a fake or functional stand-in) the same values as a constant of the traced graph, one per graph however
+    often it is read (the tables are never written to)."""
+    return graph_constant(t, like, shared=True) if traced(like) else t
 
 
 def fetch_rows(plan: RowPlan, x_local: torch.Tensor) -> torch.Tensor:

@@ -307,15 +307,16 @@ def _layer_norm(func, types, args, kwargs):
     x = prepare_input(x, ())
     k = len(normalized_shape)
     stats = _stats(x, tuple(range(x.ndim - k, x.ndim)), eps=eps, param_shape=tuple(normalized_shape), trailing=True, dtype=dtype)
-    if not stats.mesh_dims and not tracing(x._local_tensor):
+    if not stats.mesh_dims and (x._spec.mesh.size() == 1 or not tracing(x._local_tensor)):
         # Every row is whole on its rank (the transformer case: tokens sharded, features not): torch's
         # fused kernels through the native_layer_norm rule (rules/dim_ops/norms.py), the arithmetic of
         # one process. The decomposed path below makes ~12 elementwise passes per call (a transformer
-        # block's step: 195 local ATen ops against 133 this way; plain torch 122). Eager only: under
-        # Inductor on uneven shards that rule's
-        # weight-gradient reductions came out in different orders on different ranks (a collective
-        # mismatch, tests/compile/test_transformer.py::test_regional_compile_inductor); compiled code
-        # keeps the decomposed path, which Inductor fuses anyway.
+        # block's step: 195 local ATen ops against 133 this way; plain torch 122). Traced on a mesh of
+        # more than one rank, compiled code keeps the decomposed path: under Inductor on uneven shards
+        # the rule's weight-gradient reductions came out in different orders on different ranks (a
+        # collective mismatch, tests/compile/test_transformer.py::test_regional_compile_inductor). On a
+        # one-rank mesh there is no collective, and the traced graph holds torch's native_layer_norm
+        # and its backward, as plain torch's does (tests/compile/test_one_rank.py).
         with torch_function_disabled():
             return F.layer_norm(x, normalized_shape, weight, bias, eps)
     return _normalize(x, weight, bias, stats)[0]

@@ -6,7 +6,8 @@ eagerly. Three ways to compile the block, all checked against eager (outputs,
 input and parameter gradients):
 
 * the whole block, ``fullgraph=False``: exactly one graph break, at the
-  attention call;
+  attention call (none when the tokens' mesh dim has one rank: a ring of one
+  rank sends nothing and is traced);
 * the whole block, ``fullgraph=True``: refused with an error naming ring attention;
 * the recommended regional pattern: the token-wise parts compiled with
   ``fullgraph=True``, the attention called between them.
@@ -73,9 +74,12 @@ def _whole_block(ctx, backend):
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(compiled)(*make_inputs(_tokens(ctx.mesh), ctx.mesh))
-    assert explained.graph_break_count == 1, [b.reason for b in explained.break_reasons]
-    assert "ring attention" in explained.break_reasons[0].reason
-    assert "scaled_dot_product_attention" in explained.break_reasons[0].user_stack[-1].line
+    if ctx.mesh.size(0) == 1:  # a ring of one rank sends nothing: traced with the rest (tests/compile/test_one_rank.py)
+        assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    else:
+        assert explained.graph_break_count == 1, [b.reason for b in explained.break_reasons]
+        assert "ring attention" in explained.break_reasons[0].reason
+        assert "scaled_dot_product_attention" in explained.break_reasons[0].user_stack[-1].line
     torch._dynamo.reset()
     _check_against_eager(torch.compile(compiled, backend=backend), eager, ctx.mesh, f"whole block [{backend}]")
     torch._dynamo.reset()

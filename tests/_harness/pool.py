@@ -100,16 +100,26 @@ def close_all() -> None:
         pool.stop()
 
 
+#: What the fork server imports once for every rank of the session: ``launch``'s list, then the third-party model
+#: packages that rank bodies import (tests/graph, tests/spectral, tests/examples, the benchmark suite's
+#: ``third_party``): ~0.6 s and ~0.7 s of CPU per rank otherwise, in every worker of every pool (again after each
+#: restart) and every launched benchmark rank. A package that is not installed is passed over (the fork server
+#: ignores an ImportError; the tests that need it skip).
+PRELOAD = ["torch", "torch.distributed", "physicsnemo_dp", "torch_geometric", "neuralop"]
+
+
 def _mp_context():
-    """Forkserver with torch and the library preloaded (POSIX only, like the rest of the harness).
+    """Forkserver with torch, the library and the optional model packages preloaded (POSIX only, like the rest of
+    the harness).
 
     One fork server serves the whole session, ``physicsnemo_dp.launch``'s ranks included (the first to start it
-    sets its preload): the same list as ``launch``'s, so every worker of every pool, and of every pool restarted
-    after a failure, starts with ``physicsnemo_dp`` imported instead of importing it itself (~1.5 s per rank here).
-    The library reads its environment variables when called, not on import.
+    sets its preload): ``launch``'s list and the third-party packages of :data:`PRELOAD`, so every worker of every
+    pool, and of every pool restarted after a failure, starts with them imported instead of importing them itself
+    (~1.5 s per rank here for ``physicsnemo_dp``). The library reads its environment variables when called, not on
+    import; importing the packages starts no thread (checked for ``torch_geometric`` and ``neuralop``).
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "physicsnemo_dp"])
+    context.set_forkserver_preload(PRELOAD)
     return context
 
 

@@ -197,7 +197,7 @@ def killed_save_body(ctx, root: Path, where: str, victim: int):
 def test_killed_save_leaves_the_previous_checkpoint(tmp_path, where, world, victim):
     with pytest.raises(RankFailure, match="SIGKILL"):
         get_pool(world).run(Job(__name__, "killed_save_body", dict(root=tmp_path, where=where, victim=victim),
-                                (world,)), timeout=120)
+                                (world,)), timeout=120, grace=1.0)  # the survivor waits on the dead rank: no 8 s grace
     debris = tmp_path / ".tmp-step_00000002"
     assert debris.is_dir()  # what the killed save left
     assert (debris / "manifest.json").exists() == (where == "before-rename")

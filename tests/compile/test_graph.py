@@ -110,13 +110,17 @@ def test_fno_step_is_one_graph_without_complex_sums(ctx):
     and no graph adds complex tensors. Inductor lowers a complex ``add`` by viewing its operands as real, which
     fails in the FNO's backward ("self.stride(-1) must be 1 to view ComplexFloat as Float", torch 2.13, plain
     tensors too); with the spectral product on the spectrum's real view the only complex ops left are the
-    transforms and views. (aot_eager: an Inductor compile takes minutes here; benchmarks/compiled.py runs it.)"""
+    transforms and views. The step is compiled before any eager FFT, so the FFT plans (torch's decomposition,
+    recorded on meta tensors) are recorded while Dynamo traces, under its Python dispatcher: ``real_tensors``
+    turns that off, else ``rfft2`` reaches the recorder whole and breaks the graph at every transform.
+    (aot_eager: an Inductor compile takes minutes here; benchmarks/compiled.py runs it.)"""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch.distributed.tensor.placement_types import Shard
 
     import spectral_models
     from physicsnemo_dp.debug import compile_counts
+    from physicsnemo_dp.rules import fft
 
     from ..core._util import make_spec, shard_from_global
 
@@ -133,6 +137,7 @@ def test_fno_step_is_one_graph_without_complex_sums(ctx):
         return net(x).square().mean()
 
     torch._dynamo.reset()
+    fft._plan.cache_clear()  # no plan recorded eagerly by an earlier test
     step = torch.compile(loss, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
     before = compile_counts()
     compiled_net = copy.deepcopy(net)
@@ -142,8 +147,8 @@ def test_fno_step_is_one_graph_without_complex_sums(ctx):
         x = torch.randn(2, 1, 11, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
         spec = make_spec(ctx.mesh, [Shard(2)], tuple(x.shape), "uneven", dtype=x.dtype, salt=1)
         inputs = [[shard_from_global(x, spec).requires_grad_()] for _ in range(2)]
+        outs = run(step, compiled_net, inputs[1])  # compiled first: the FFT plans are traced cold
         eager = run(loss, eager_net, inputs[0])
-        outs = run(step, compiled_net, inputs[1])
         assert_same(f"FNO call {call}", torch.float64, outs, eager, inputs[1], inputs[0], compiled_net, eager_net)
     assert compile_counts()["graphs"] - before["graphs"] == 1, "a second step compiled again"
     assert len(graphs) == 2, f"{len(graphs)} forward/backward graphs, expected 2"

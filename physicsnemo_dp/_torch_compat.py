@@ -501,15 +501,20 @@ def tracing(tensor: torch.Tensor) -> bool:
     return traced(tensor) or torch.compiler.is_compiling()
 
 
+@contextlib.contextmanager
 def real_tensors():
     """Context manager: torch ops in the block make real tensors, even while torch.compile traces.
 
     For metadata arithmetic done with torch ops (plans, index tables) whose
-    results are read back with ``.tolist()`` or cached across calls.
+    results are read back with ``.tolist()`` or cached across calls. The
+    block runs as it does eagerly: the tracer's modes are off and so is the
+    Python dispatcher, under which composite ops reach a dispatch mode whole
+    (``aten.fft_rfft2`` instead of the ``aten._fft_r2c`` it decomposes into).
     """
     from torch.utils._python_dispatch import _disable_current_modes
 
-    return _disable_current_modes()
+    with _disable_current_modes(), torch._C._DisablePythonDispatcher():
+        yield
 
 
 def on_real_tensors(fn):

@@ -9,6 +9,9 @@ indexing rules, whose data-dependent steps cannot be traced. Compiled with
 sharded inputs: outputs and layouts, input and parameter gradients; a second
 call with new values compiles nothing. World 3 has uneven node shards with an
 empty one; the 2x2 mesh shards the nodes over ``"domain"``.
+
+The FNO of ``examples/spectral_models.py`` compiles to one graph too, and no graph of its step sums
+complex tensors (what Inductor cannot lower in its backward).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from physicsnemo_dp.graph import build_graph
 from tests._harness import distributed
+from tests.examples import EXAMPLES  # noqa: F401  (puts the examples on sys.path, for spectral_models)
 
 from ..graph._graphs import random_case
 from ..graph.test_message_passing import message_passing
@@ -96,4 +100,65 @@ def test_meshgraphnet_step_is_one_graph(ctx):
         )
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for two steps"
     assert compile_counts()["graph_breaks"] == before["graph_breaks"]
+    torch._dynamo.reset()
+
+
+@distributed(world_sizes=(2,), mesh_2d=False, timeout=600)
+def test_fno_step_is_one_graph_without_complex_sums(ctx):
+    """The FNO of ``examples/spectral_models.py`` (2 Fourier layers, 11 x 9 grid, rows sharded unevenly): forward,
+    loss and backward compile to one graph (``fullgraph=True``) matching eager, a second step compiles nothing,
+    and no graph adds complex tensors. Inductor lowers a complex ``add`` by viewing its operands as real, which
+    fails in the FNO's backward ("self.stride(-1) must be 1 to view ComplexFloat as Float", torch 2.13, plain
+    tensors too); with the spectral product on the spectrum's real view the only complex ops left are the
+    transforms and views. The step is compiled before any eager FFT, so the FFT plans (torch's decomposition,
+    recorded on meta tensors) are recorded while Dynamo traces, under its Python dispatcher: ``real_tensors``
+    turns that off, else ``rfft2`` reaches the recorder whole and breaks the graph at every transform.
+    (aot_eager: an Inductor compile takes minutes here; benchmarks/compiled.py runs it.)"""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch.distributed.tensor.placement_types import Shard
+
+    import spectral_models
+    from physicsnemo_dp.debug import compile_counts
+    from physicsnemo_dp.rules import fft
+
+    from ..core._util import make_spec, shard_from_global
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    net = spectral_models.FNO2d(width=4, modes=(3, 3), layers=2, dtype=torch.float64)
+
+    def loss(net, x):
+        return net(x).square().mean()
+
+    torch._dynamo.reset()
+    fft._plan.cache_clear()  # no plan recorded eagerly by an earlier test
+    step = torch.compile(loss, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    before = compile_counts()
+    compiled_net = copy.deepcopy(net)
+    for call in range(2):
+        compiled_net.zero_grad()
+        eager_net = copy.deepcopy(compiled_net)
+        x = torch.randn(2, 1, 11, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        spec = make_spec(ctx.mesh, [Shard(2)], tuple(x.shape), "uneven", dtype=x.dtype, salt=1)
+        inputs = [[shard_from_global(x, spec).requires_grad_()] for _ in range(2)]
+        outs = run(step, compiled_net, inputs[1])  # compiled first: the FFT plans are traced cold
+        eager = run(loss, eager_net, inputs[0])
+        assert_same(f"FNO call {call}", torch.float64, outs, eager, inputs[1], inputs[0], compiled_net, eager_net)
+    assert compile_counts()["graphs"] - before["graphs"] == 1, "a second step compiled again"
+    assert len(graphs) == 2, f"{len(graphs)} forward/backward graphs, expected 2"
+    complex_sums = [
+        f"{kind}: {node.format_node()}"
+        for kind, gm in zip(("forward", "backward"), graphs)
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        and node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+        and getattr(node.meta.get("val"), "is_complex", lambda: False)()
+    ]
+    assert not complex_sums, "complex sums Inductor cannot lower:\n" + "\n".join(complex_sums)
     torch._dynamo.reset()

@@ -42,6 +42,32 @@ def test_afno(ctx, dtype):
         check_model(model, x, ctx.mesh, placements, salt=i)
 
 
+def test_spectral_conv_real_product_is_the_complex_einsum():
+    """SpectralConv2d's real block ``einsum`` on the spectrum's real view gives the complex ``einsum`` of its
+    complex weights (the public FNO's form): output, input gradient and weight gradients, float64, with the
+    modes capped by a small grid (11 x 9: 5 rows, 5 columns of the half spectrum)."""
+    torch.manual_seed(0)
+    layer = spectral_models.SpectralConv2d(3, 4, 6, 6, dtype=torch.float64)
+    x = torch.randn(2, 3, 11, 9, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    w1, w2 = (w.detach().clone().requires_grad_() for w in (layer.weights1, layer.weights2))
+    assert layer.weights1.dtype == torch.complex128 and layer.weights1.shape == (3, 4, 6, 6)
+    m1, m2 = 5, 5
+    x_ft = torch.fft.rfft2(x_ref)
+    out_ft = torch.zeros(2, 4, 11, 5, dtype=torch.complex128)
+    out_ft[:, :, :m1, :m2] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m1, :m2], w1[:, :, :m1, :m2])
+    out_ft[:, :, -m1:, :m2] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m1:, :m2], w2[:, :, :m1, :m2])
+    expected = torch.fft.irfft2(out_ft, s=(11, 9))
+    got = layer(x)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(got)
+    got.backward(g)
+    expected.backward(g)
+    for name, a, b in (("x", x.grad, x_ref.grad), ("weights1", layer.weights1.grad, w1.grad),
+                       ("weights2", layer.weights2.grad, w2.grad)):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_models_reject_bad_sizes():
     """Sizes a model cannot take are refused with the argument and the fix."""
     with pytest.raises(ValueError, match=r"img_size=\(14, 9\) must be multiples of patch=2"):

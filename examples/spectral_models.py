@@ -13,9 +13,9 @@ copy of each model.
 
 * :class:`FNO2d` — Li et al. 2021, "Fourier Neural Operator for Parametric
   PDEs": grid coordinates appended as channels, a pointwise lift, Fourier
-  layers (:class:`SpectralConv2d`: ``rfft2``, a complex product, written as a
-  real ``einsum`` on the spectrum's real view, over the lowest ``modes1 x
-  modes2`` modes of both corners of the half spectrum, ``irfft2`` with ``s=``)
+  layers (:class:`SpectralConv2d`: ``rfft2``, an ``einsum`` over the lowest
+  ``modes1 x modes2`` modes of both corners of the half spectrum, ``irfft2``
+  with ``s=``)
   plus 1x1 convolutions, a pointwise projection.
 * :class:`AFNONet` — Guibas et al. 2021, "Adaptive Fourier Neural Operators",
   as used by Pathak et al. 2022 (FourCastNet): patch embedding (a convolution
@@ -29,6 +29,7 @@ copy of each model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,16 +57,16 @@ class SpectralConv2d(nn.Module):
     the grid. The modes are capped at what the grid holds (``H // 2`` and
     ``W // 2 + 1``), so the layer accepts any grid size.
 
-    The weights are complex parameters; between the two transforms the
-    spectrum is worked on through its real view (``torch.view_as_real``) and the
-    complex product is one real ``einsum`` (:meth:`_multiply`), so
-    ``torch.compile`` with Inductor compiles the training step whole. With a
-    complex spectrum, its gradient (it feeds two corners) is a sum of complex
-    tensors, which Inductor lowers by viewing them as real: in the backward it
-    fails ("self.stride(-1) must be 1 to view ComplexFloat as Float", torch
-    2.13, plain tensors alike). The real product costs what the complex one
-    does at FNO sizes (batch 4, 32 channels, 12 x 12 modes) and up to 2.5x
-    more for tiny ones (1 x 8 channels, eager).
+    The weights are complex parameters. Run eagerly, each corner is one
+    complex ``einsum``. While ``torch.compile`` traces, the spectrum is worked
+    on through its real view (``torch.view_as_real``) and the complex product
+    is one real ``einsum`` (:meth:`_real_product`), the same math: with a
+    complex spectrum its gradient (it feeds two corners) is a sum of complex
+    tensors, which Inductor lowers by viewing them as real, and in the backward
+    that fails ("self.stride(-1) must be 1 to view ComplexFloat as Float",
+    torch 2.13, plain tensors alike). The real form costs what the complex one
+    does at FNO sizes (batch 4, 32 channels, 12 x 12 modes) and up to 2.5x more
+    for tiny ones run eagerly, hence the two forms.
     """
 
     def __init__(self, c_in: int, c_out: int, modes1: int, modes2: int, dtype: torch.dtype = torch.float32):
@@ -81,17 +82,22 @@ class SpectralConv2d(nn.Module):
         if h < 2:  # m1 = 0 would make x_ft[:, :, -0:] the whole spectrum
             raise ValueError(f"SpectralConv2d: the grid needs at least 2 rows, got shape {tuple(x.shape)}")
         m1, m2 = min(self.modes1, h // 2), min(self.modes2, w // 2 + 1)
-        x_ft = torch.view_as_real(torch.fft.rfft2(x))  # (batch, c_in, h, w // 2 + 1, 2)
+        x_ft = torch.fft.rfft2(x)
+        real = torch.compiler.is_compiling()
+        if real:
+            x_ft, multiply = torch.view_as_real(x_ft), self._real_product  # (batch, c_in, h, w // 2 + 1, 2)
+        else:
+            multiply = partial(torch.einsum, "bixy,ioxy->boxy")
         # x_ft.new_zeros, not torch.zeros(...): on a ShardTensor the buffer is then sharded like x_ft (O(local)
         # memory); a plain torch.zeros also gives the right result but holds the whole spectrum on every rank
         # (tests/spectral/test_neuralop.py runs that pattern, neuraloperator's)
-        out_ft = x_ft.new_zeros(batch, self.c_out, h, w // 2 + 1, 2)
-        out_ft[:, :, :m1, :m2] = self._multiply(x_ft[:, :, :m1, :m2], self.weights1[:, :, :m1, :m2])
-        out_ft[:, :, -m1:, :m2] = self._multiply(x_ft[:, :, -m1:, :m2], self.weights2[:, :, :m1, :m2])
-        return torch.fft.irfft2(torch.view_as_complex(out_ft), s=(h, w))
+        out_ft = x_ft.new_zeros(batch, self.c_out, h, w // 2 + 1, *x_ft.shape[4:])
+        out_ft[:, :, :m1, :m2] = multiply(x_ft[:, :, :m1, :m2], self.weights1[:, :, :m1, :m2])
+        out_ft[:, :, -m1:, :m2] = multiply(x_ft[:, :, -m1:, :m2], self.weights2[:, :, :m1, :m2])
+        return torch.fft.irfft2(torch.view_as_complex(out_ft) if real else out_ft, s=(h, w))
 
     @staticmethod
-    def _multiply(modes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _real_product(modes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``einsum("bixy,ioxy->boxy")`` of complex modes and weights, on the modes' real view ``(b, i, x, y, 2)``.
 
         ``(a + ib)(c + id)`` is ``[a, b] @ [[c, d], [-d, c]]``: the weights' real view becomes that block,

@@ -42,10 +42,17 @@ def test_afno(ctx, dtype):
         check_model(model, x, ctx.mesh, placements, salt=i)
 
 
-def test_spectral_conv_real_product_is_the_complex_einsum():
-    """SpectralConv2d's real block ``einsum`` on the spectrum's real view gives the complex ``einsum`` of its
-    complex weights (the public FNO's form): output, input gradient and weight gradients, float64, with the
-    modes capped by a small grid (11 x 9: 5 rows, 5 columns of the half spectrum)."""
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager-form", "traced-form"])
+def test_spectral_conv_real_product_is_the_complex_einsum(compiling, monkeypatch):
+    """SpectralConv2d's two forms, the complex ``einsum`` run eagerly and the real block ``einsum`` on the
+    spectrum's real view taken while torch.compile traces (forced here by patching ``is_compiling``), give
+    the public FNO's complex ``einsum`` of its complex weights: output, input gradient and weight
+    gradients, float64, with the modes capped by a small grid (11 x 9: 5 rows, 5 columns of the half
+    spectrum)."""
+    calls = []
+    monkeypatch.setattr(spectral_models.SpectralConv2d, "_real_product",
+                        staticmethod(lambda *a: calls.append(1) or _REAL_PRODUCT(*a)))  # fmt: skip
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     torch.manual_seed(0)
     layer = spectral_models.SpectralConv2d(3, 4, 6, 6, dtype=torch.float64)
     x = torch.randn(2, 3, 11, 9, dtype=torch.float64, requires_grad=True)
@@ -66,6 +73,10 @@ def test_spectral_conv_real_product_is_the_complex_einsum():
     for name, a, b in (("x", x.grad, x_ref.grad), ("weights1", layer.weights1.grad, w1.grad),
                        ("weights2", layer.weights2.grad, w2.grad)):  # fmt: skip
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    assert len(calls) == (2 if compiling else 0), "the form taken is not the one the trace state selects"
+
+
+_REAL_PRODUCT = spectral_models.SpectralConv2d._real_product
 
 
 def test_models_reject_bad_sizes():

@@ -12,6 +12,7 @@ bits. Then what it refuses and where it takes the module's own forward.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from physicsnemo_dp.promotion import clear_gradient_buckets
 from tests._harness import distributed
 
 from ..core._util import make_spec, shard_from_global
+from ..distributed._models import FEATURES, HIDDEN
 from ._diff import OP_WORLD_SIZES, check
 
 
@@ -173,3 +175,44 @@ def test_rowwise_under_compile(ctx):
     expected.backward(torch.ones(9, 4, dtype=torch.float64))
     for p, q in zip(module.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+class _RowwiseNet(nn.Sequential):
+    """A token-wise MLP, every layer fusable: the whole model is one ``rowwise`` node."""
+
+    @dataclass(frozen=True)
+    class ModelCapabilities:
+        supports_domain: bool = True
+        supports_ddp: bool = True
+
+    def __init__(self):
+        super().__init__(nn.Linear(FEATURES, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN),
+                         nn.Linear(HIDDEN, 2))  # fmt: skip
+
+
+@distributed(world_sizes=(3,), mesh_2d=True, timeout=120)
+def test_rowwise_trains_under_ddp_and_domain(ctx):
+    """DDP over "ddp", tokens over "domain" (uneven, an empty shard at 2 domain ranks): two SGD steps of the
+    fused model reach the single-process parameters (domain sums by promotion's buckets, then DDP's average)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from physicsnemo_dp.distributed import DDPConfig, MeshContext, parallelize_model
+
+    from ..distributed._models import assert_close_states, device_mesh, full_state, local_input, sample_batch, train
+
+    shape = (2, 2) if ctx.mesh.ndim == 2 else (1, ctx.world_size)
+    context = MeshContext.from_mesh(device_mesh(ctx.device.type, *shape), strategy=DDPConfig())
+    batches = [sample_batch(seed=s) for s in range(2)]
+    torch.manual_seed(0)
+    reference = _RowwiseNet()
+    train(reference, batches)
+    torch.manual_seed(0)
+    try:
+        model = parallelize_model(rowwise(_RowwiseNet().to(ctx.device)), context)
+        assert isinstance(model, DistributedDataParallel) == (shape[0] == 2)  # DDP only over more than one rank
+        train(model, [local_input(b, context, salt=0) for b in batches])
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        assert _fused(inner(local_input(batches[0], context)))
+    finally:
+        clear_gradient_buckets()
+    assert_close_states(full_state(model), full_state(reference), atol=1e-5, rtol=1e-5)

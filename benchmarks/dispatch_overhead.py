@@ -156,14 +156,14 @@ def meshgraphnet_results(mesh, nodes=tuple(MESHGRAPHNET_TARGETS), repetitions: i
     The model and graph of ``scaling_curves`` (``examples/graph_models.MeshGraphNet``, width 16, 4 processor
     layers, plate-with-hole mesh in Hilbert order, gradients in buckets), at 1,024 and 16,384 nodes. The
     ShardTensor step runs a copy of the model (same weights) whose MLPs are marked with
-    :func:`physicsnemo_dp.rowwise`, as a user would; the plain step runs the model untouched (``--tiny``:
+    :func:`physicsnemo_dp.rowwise_all`, as a user would; the plain step runs the model untouched (``--tiny``:
     64 and 256, no target: the targets are for those two sizes). One repetition times plain and sharded steps interleaved (thread CPU time, one
     intra-op thread, fastest of ``k`` steps each); the figure is the median ratio of ``repetitions`` (with its
     spread), since a target met on one run and missed on the next is not met.
     """
     import copy
 
-    from physicsnemo_dp import bucket_gradients, rowwise
+    from physicsnemo_dp import bucket_gradients, rowwise_all
     from physicsnemo_dp.promotion import clear_gradient_buckets
 
     from . import graph
@@ -171,9 +171,8 @@ def meshgraphnet_results(mesh, nodes=tuple(MESHGRAPHNET_TARGETS), repetitions: i
 
     net = graph.model(16, 4, mesh_device(mesh))
     fused = copy.deepcopy(net)
-    for module in fused.modules():
-        if type(module).__name__ == "MLP":  # examples/graph_models.MLP: Linear, SiLU, Linear[, LayerNorm]
-            rowwise(module)
+    marked = rowwise_all(fused)  # the encoders', processors' and decoder's MLPs (Linear, SiLU, Linear[, LayerNorm])
+    assert len(marked) == 3 + 2 * len(fused.processor), marked
     bucket_gradients(fused)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -57,7 +57,7 @@ from .errors import PlacementError
 from .promotion import TensorPromotionMode, get_promotion_mode, promote_together
 from .rule_kit import grad_like, plain_gradient, shard_tensor_cls, to_layout, unshard_target, wrap
 
-__all__ = ["rowwise", "is_rowwise", "ACTIVATIONS"]
+__all__ = ["rowwise", "rowwise_all", "is_rowwise", "ACTIVATIONS"]
 
 #: Elementwise activations fused by :func:`rowwise` (exact classes; their own ``forward`` runs on the local rows).
 ACTIVATIONS = frozenset(
@@ -347,3 +347,32 @@ def is_rowwise(module: nn.Module) -> bool:
     """Whether :func:`rowwise` was applied to ``module`` (and not undone)."""
     fwd = module.__dict__.get("forward")
     return isinstance(fwd, types.MethodType) and fwd.__func__ is _fused_forward
+
+
+def rowwise_all(model: nn.Module) -> list[str]:
+    """:func:`rowwise` on every ``nn.Sequential`` of ``model`` it can fuse, outermost first; their names.
+
+    A Sequential is taken when every module in it is one :func:`rowwise`
+    fuses (the check :func:`rowwise` makes), and none inside a taken one is
+    marked again. Layers outside any such Sequential (a lone ``nn.Linear``)
+    are left alone: one layer is one op either way. Returns the qualified
+    names of the marked modules (``""`` for ``model`` itself), so that a
+    script can print or assert what was fused.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"rowwise_all takes an nn.Module, got {type(model).__name__}")
+    marked: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == m or name.startswith(m + ".") for m in marked if m) or (marked and marked[0] == ""):
+            continue
+        if not (isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward):
+            continue
+        try:
+            _read(module)
+        except TypeError:
+            continue
+        except _General:
+            pass
+        rowwise(module)
+        marked.append(name)
+    return marked

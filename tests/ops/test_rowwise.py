@@ -103,6 +103,18 @@ def test_rowwise_one_rank_same_bits_as_plain_torch(ctx):
     assert torch.equal(module(x), reference(x))  # a plain input runs the module's own forward
 
 
+def test_rowwise_all_marks_the_outermost_fusable_sequentials():
+    model = nn.ModuleDict({
+        "mlp": _mlp(),  # marked; its nested Sequential is inside it
+        "conv": nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),  # not row-local: left alone
+        "head": nn.Linear(4, 1),  # a lone layer: left alone
+        "deep": nn.ModuleList([nn.Sequential(nn.Tanh(), nn.Linear(4, 4))]),
+    })  # fmt: skip
+    assert physicsnemo_dp.rowwise_all(model) == ["mlp", "deep.0"]
+    assert is_rowwise(model["mlp"]) and not is_rowwise(model["mlp"][2]) and not is_rowwise(model["conv"])
+    assert physicsnemo_dp.rowwise_all(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == [""]
+
+
 class _Scaled(nn.Linear):
     def forward(self, x):
         return 2 * super().forward(x)

@@ -778,13 +778,13 @@ def l1_loss_weight():
 # --------------------------------------------------------------------------- #
 # nn.Module hooks (read by physicsnemo_dp.rowwise: a fused module call must not skip any)
 # --------------------------------------------------------------------------- #
-def _module_hook_dicts():
-    from torch.nn.modules import module as _module
+from torch.nn.modules import module as _nn_module  # noqa: E402
 
-    return (
-        _module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
-        _module._global_backward_pre_hooks, _module._global_forward_hooks_with_kwargs,
-    )
+#: torch's registries of global module hooks (``register_module_forward_hook`` & co.), read on every fused call.
+_MODULE_HOOK_DICTS = (
+    _nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks, _nn_module._global_backward_hooks,
+    _nn_module._global_backward_pre_hooks, _nn_module._global_forward_hooks_with_kwargs,
+)
 
 
 def module_hooks(module: torch.nn.Module) -> bool:
@@ -797,7 +797,7 @@ def module_hooks(module: torch.nn.Module) -> bool:
 
 def global_module_hooks() -> bool:
     """Whether a global module hook (``register_module_forward_hook`` & co.) is registered."""
-    return any(_module_hook_dicts())
+    return any(_MODULE_HOOK_DICTS)
 
 
 #: Whether autocast is on for any device type (a fused module call then takes the general, per-op path).

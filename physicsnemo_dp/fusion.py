@@ -31,7 +31,8 @@ not plain tensors (DTensors under FSDP2 before unsharding), ``torch.compile``
 (the compiled graph holds no library Python anyway). An input with a feature
 dim (one ``nn.LayerNorm`` normalizes, at least the last) sharded is refused
 with a :class:`~physicsnemo_dp.PlacementError`: the module is not row-local
-on that layout.
+on that layout. Double backward through a fused call is not supported
+(``once_differentiable``); activation checkpointing is.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ ACTIVATIONS = frozenset(
 
 _LINEAR, _NORM, _ACT = 0, 1, 2
 
+#: Norms whose statistics are taken over rows (or over a sample's positions): named in the refusal.
+_STATISTICS = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)  # fmt: skip
+
 
 class _General(Exception):
     """The call cannot be fused as it stands: the module's own forward runs (raised while reading the tree)."""
@@ -130,7 +137,7 @@ def _steps(module, path, steps, params, top) -> int:
             raise _General  # the library's dropout rule draws the mask from global indices
         return 1
     why = "its forward is not known to be row-local"
-    if isinstance(module, nn.modules.batchnorm._NormBase):
+    if isinstance(module, _STATISTICS):
         why = "its statistics are taken over rows"
     elif isinstance(module, (nn.Linear, nn.LayerNorm, nn.Sequential, nn.Dropout)) or kind.__mro__[1] in ACTIVATIONS:
         why = "a subclass may compute something else than its base class"

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.utils.checkpoint import checkpoint
 
 import physicsnemo_dp
 from physicsnemo_dp import PlacementError, ShardTensor, bucket_gradients, rowwise
@@ -101,6 +102,13 @@ def test_rowwise_one_rank_same_bits_as_plain_torch(ctx):
     with torch.no_grad():  # inference: no node at all, the same values
         assert torch.equal(module(sharded).to_local(), reference(x))
     assert torch.equal(module(x), reference(x))  # a plain input runs the module's own forward
+    for reentrant in (False, True):  # activation checkpointing recomputes the fused call: the same bits
+        module.zero_grad(set_to_none=True)
+        leaf = ShardTensor.from_local(x.clone(), ctx.mesh, [Shard(0)]).requires_grad_()
+        y = checkpoint(module, leaf, use_reentrant=reentrant)
+        y.backward(ShardTensor.from_local(g.clone(), ctx.mesh, [Shard(0)]))
+        assert torch.equal(y.to_local(), expected) and torch.equal(leaf.grad.to_local(), ref_x.grad)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters()))
 
 
 def test_rowwise_all_marks_the_outermost_fusable_sequentials():

@@ -17,6 +17,7 @@ from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec
 from .spatial import halo_exchange
 from .sync import sync_module_over_mesh
+from .fusion import rowwise, rowwise_all
 from .launch import RankError, launch
 from .split import chunk_sizes
 from . import catalog, debug  # noqa: F401  (catalog fills the op table; debug is a public subpackage)
@@ -31,6 +32,8 @@ __all__ = [
     "scatter_tensor",
     "halo_exchange",
     "sync_module_over_mesh",
+    "rowwise",
+    "rowwise_all",
     "launch",
     "RankError",
     "set_promotion_mode",

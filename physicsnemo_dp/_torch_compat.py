@@ -804,3 +804,37 @@ def l1_loss_weight():
             return frame.f_locals.get("weight")
         frame = frame.f_back
     return None
+
+
+# --------------------------------------------------------------------------- #
+# nn.Module hooks (read by physicsnemo_dp.rowwise: a fused module call must not skip any)
+# --------------------------------------------------------------------------- #
+from torch.nn.modules import module as _nn_module  # noqa: E402
+
+#: torch's registries of global module hooks (``register_module_forward_hook`` & co.), read on every fused call.
+_MODULE_HOOK_DICTS = (
+    _nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks, _nn_module._global_backward_hooks,
+    _nn_module._global_backward_pre_hooks, _nn_module._global_forward_hooks_with_kwargs,
+)
+
+
+def module_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself has forward / backward hooks (its children not included)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def global_module_hooks() -> bool:
+    """Whether a global module hook (``register_module_forward_hook`` & co.) is registered."""
+    return any(_MODULE_HOOK_DICTS)
+
+
+#: Whether autocast is on for any device type (a fused module call then takes the general, per-op path).
+any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) is active around this call."""
+    return torch._C._are_functorch_transforms_active()

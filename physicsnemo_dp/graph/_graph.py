@@ -136,15 +136,26 @@ class ShardedGraph:
 
     def edge_spec(self, shape, dtype):
         """Spec of an edge-aligned tensor of global ``shape`` (dim 0 = the ``E`` edges), like ``src``."""
-        return type(self.nodes_spec).from_sizes(
-            self.mesh, self._placements(0), tuple(shape), dtype, (self.edge_sizes,) + (None,) * (len(shape) - 1)
-        )
+        return self._row_spec("edges", tuple(shape), dtype)
 
     def node_spec(self, shape, dtype):
         """Spec of a node-aligned tensor of global ``shape`` (dim 0 = the ``N`` nodes) in the graph's layout."""
-        return type(self.nodes_spec).from_sizes(
-            self.mesh, self._placements(0), tuple(shape), dtype, (self.node_sizes,) + (None,) * (len(shape) - 1)
-        )
+        return self._row_spec("nodes", tuple(shape), dtype)
+
+    def _row_spec(self, kind, shape, dtype):
+        """The spec of ``kind`` ("edges" / "nodes") rows (kept per shape and dtype: one object per layout, so the plans that
+        later ops memoise on a spec's identity are found again, and no spec is rebuilt per gather or scatter)."""
+        cache = self.__dict__.setdefault("_row_specs", {})
+        key = (kind, shape, dtype)
+        hit = cache.get(key)
+        if hit is None:
+            sizes = self.edge_sizes if kind == "edges" else self.node_sizes
+            if len(cache) >= 256:
+                cache.clear()
+            hit = cache[key] = type(self.nodes_spec).from_sizes(
+                self.mesh, self._placements(0), shape, dtype, (sizes,) + (None,) * (len(shape) - 1)
+            )
+        return hit
 
     @property
     def edge_offset(self) -> int:

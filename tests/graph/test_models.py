@@ -3,7 +3,9 @@
 The meshes and point clouds are written by ``datapipes.synthetic``, prepared
 along a Hilbert curve and read back per rank by ``DomainPipe`` (near-equal,
 uneven point ranges); one case cuts the nodes with deliberately uneven sizes
-(an empty shard at 3 and 4 ranks) and hands all cells to rank 0. The models
+(an empty shard at 3 and 4 ranks) and hands all cells to rank 0; there the
+MeshGraphNet's MLPs are marked ``physicsnemo_dp.rowwise`` (fused on the local
+rows), in the other case they run op by op. The models
 are the plain torch code of ``examples/graph_models.py``; the reference runs
 the same weights on full tensors with plain index tensors. Compared: the
 output, the gradient of every input (node and edge features) and of every
@@ -21,6 +23,7 @@ import torch
 from datapipes import DomainPipe, MeshSource, prepare_mesh
 from datapipes.mesh_graph import MeshGraphCache, mesh_graph
 from datapipes.synthetic import plate_with_hole, point_cloud
+import physicsnemo_dp
 from physicsnemo_dp import Shard, ShardTensor
 from physicsnemo_dp.graph import radius
 from tests._harness import distributed
@@ -125,8 +128,14 @@ def test_meshgraphnet_matches_one_process(ctx, plates, layout):
                  RTOL, "edge features")
     torch.manual_seed(0)
     model = graph_models.MeshGraphNet(6, 3, 1, width=8, layers=10).double().to(ctx.device)
+    if layout == "uneven":  # the MLPs fused on the local rows (physicsnemo_dp.rowwise); the datapipe case runs them per op
+        for m in model.modules():
+            if isinstance(m, graph_models.MLP):
+                physicsnemo_dp.rowwise(m)
     _compare(model, [x, graph.edge_features], [x.full_tensor(), graph.edge_features.full_tensor()], g.src, g.dst,
              f"meshgraphnet, {layout}")
+    if layout == "uneven":
+        assert type(model.node_encoder(x).grad_fn).__name__ == "_FusedBackward"  # the fused path was the one compared
 
 
 @distributed(timeout=120)

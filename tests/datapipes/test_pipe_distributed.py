@@ -162,9 +162,9 @@ def _spy_on_background_reads(pipe: DomainPipe) -> list[int]:
     submitted: list[int] = []
     submit = reader.submit
 
-    def recording(task, memory):
+    def recording(task, memory, finish):
         submitted.append(task.samples[0])
-        submit(task, memory)
+        submit(task, memory, finish)
 
     reader.submit = recording
     return submitted

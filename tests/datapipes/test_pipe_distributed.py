@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import threading
 import time
 
 import h5py
@@ -27,6 +28,8 @@ from datapipes.statistics import Normalize, Statistics, compute_statistics
 from datapipes.synthetic import darcy_flow, write_hdf5
 from datapipes.writer import write_shards
 from physicsnemo_dp import Replicate, Shard, ShardTensor, count_collectives
+from physicsnemo_dp import collectives as pdp_collectives
+from physicsnemo_dp.debug import checks
 from tests._harness import distributed
 
 from ._data import GRID_FORMATS, VARIABLES, grid_fields, heat_fields, open_grid, write_grid, write_meshes
@@ -162,9 +165,9 @@ def _spy_on_background_reads(pipe: DomainPipe) -> list[int]:
     submitted: list[int] = []
     submit = reader.submit
 
-    def recording(task, memory):
+    def recording(task, memory, finish):
         submitted.append(task.samples[0])
-        submit(task, memory)
+        submit(task, memory, finish)
 
     reader.submit = recording
     return submitted
@@ -420,12 +423,12 @@ _C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_objec
 
 @contextlib.contextmanager
 def _record_c10d():
-    """Record every torch.distributed collective or point-to-point call made inside the block."""
+    """Record every torch.distributed collective or point-to-point call made inside the block, with its thread."""
     calls, saved = [], {name: getattr(dist, name) for name in _C10D}
 
     def recorder(name):
         def call(*args, **kwargs):
-            calls.append(name)
+            calls.append((name, threading.get_ident()))
             return saved[name](*args, **kwargs)
         return call
 
@@ -455,6 +458,87 @@ def test_batches_need_no_collective_and_each_rank_reads_its_share(ctx, prefetch,
         total = torch.tensor([pipe.bytes_read])
         dist.all_reduce(total, group=ctx.mesh["domain"].get_group() if len(ctx.mesh_shape) == 2 else None)
         assert total.item() == len(samples) * sample_bytes  # the domain ranks read each sample once
+
+
+@contextlib.contextmanager
+def _record_collectives():
+    """``(kind, thread id)`` of every collective inside the block: physicsnemo_dp's (the checks' all-gathers) and
+    torch.distributed's."""
+    calls, saved = [], pdp_collectives._record
+
+    def record(kind, *args):
+        calls.append((kind, threading.get_ident()))
+        return saved(kind, *args)
+
+    pdp_collectives._record = record
+    try:
+        with _record_c10d() as raw:
+            yield calls
+        calls.extend(raw)
+    finally:
+        pdp_collectives._record = saved
+
+
+@contextlib.contextmanager
+def _record_wrapping():
+    """Record ``(constructor, thread id)`` for every ShardTensor.from_local / from_spec call inside the block."""
+    calls, saved = [], {name: ShardTensor.__dict__[name] for name in ("from_local", "from_spec")}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            calls.append((name, threading.get_ident()))
+            return saved[name].__func__(*args, **kwargs)
+        return staticmethod(call)
+
+    for name in saved:
+        setattr(ShardTensor, name, recorder(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(ShardTensor, name, fn)
+
+
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_background_readers_build_batches_off_the_training_thread_and_checks_verify_them_on_it(
+    ctx, workers, tmp_path
+):
+    """After a layout's first batch (from_local, training thread) the reader's thread builds every batch read
+    ahead; under checks() the training thread builds it again through from_spec and verifies it collectively,
+    and no collective ever runs on another thread. The batches are the same either way."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    full, main = grid_fields(), threading.get_ident()
+    with DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, shuffle=False,
+                    adaptive_prefetch=False) as pipe:  # every batch through the background reader
+        dec = pipe.decompose(0)["permeability"]
+        names, n = list(pipe.decompose(0)), len(pipe)
+        with _record_wrapping() as built, _record_collectives() as raw:
+            kept = list(pipe)
+        assert raw == [] and built[: len(names)] == [("from_local", main)] * len(names)
+        assert len(built) == n * len(names) and all(c == "from_spec" and t != main for c, t in built[len(names):])
+        with checks(), _record_wrapping() as built, _record_collectives() as raw:
+            checked = list(pipe)
+        on_main = [c for c, t in built if t == main]
+        assert on_main == ["from_spec"] * (n * len(names))  # every batch verified here
+        assert len(raw) >= n * len(names) and all(t == main for _, t in raw)  # and only here
+        for first, second in zip(kept, checked, strict=True):
+            assert first.samples == second.samples and _same_spec_as_from_local(second, ctx, dec)
+            for name in names:
+                assert torch.equal(first[name].to_local(), second[name].to_local())
+                assert first[name]._spec == second[name]._spec
+                assert np.array_equal(second[name].to_local().numpy(),
+                                      full[name][list(second.samples)][(slice(None), *dec.box(ctx.rank))])
+        del kept, checked, first, second
+        for _ in range(3):  # stopped early: batches built in the background return their buffers exactly once
+            for batch in pipe:
+                break
+            del batch
+        idle = pipe._pool._free
+        assert len({id(b) for b in idle}) == len(idle) <= pipe._pool.max_idle
+        for batch in pipe:
+            assert np.array_equal(batch["pressure"].to_local().numpy(),
+                                  full["pressure"][list(batch.samples)][(slice(None), *dec.box(ctx.rank))])
 
 
 # --------------------------------------------------------------------------- #

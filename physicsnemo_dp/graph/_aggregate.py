@@ -116,7 +116,7 @@ def index_add_local(x, dim, index, source):
     if type(x) is not ShardTensor or type(source) is not ShardTensor or not isinstance(dim, int):
         return None
     gi = graph_of(index)
-    if gi is None or gi.role != "dst" or index.ndim != 1:
+    if gi is None or gi.role != "dst" or len(index._spec.global_shape) != 1:  # (not index.ndim: a torch-function trip)
         return None
     xs, ss = x._spec, source._spec
     shape = xs.global_shape

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from torch.distributed.tensor.placement_types import Replicate
+
 from physicsnemo_dp.graph import _dispatch, build_graph
 from tests._harness import distributed
 
@@ -25,14 +27,8 @@ def _block(x, e, src, dst, lin):
     return x + torch.index_add(torch.zeros_like(x), 0, dst, e), e
 
 
-def _run(ctx, case, fast: bool):
-    gen = torch.Generator().manual_seed(7)
-    x_full = torch.randn(case.num_nodes, F, dtype=torch.float64, generator=gen)
-    torch.manual_seed(1)
-    lin = torch.nn.Linear(3 * F, F, dtype=torch.float64)
-    g = build_graph(case.given(), case.shard_nodes(ctx.mesh, x_full))
-    x = case.shard_nodes(ctx.mesh, x_full).requires_grad_()
-    e = (x[g.src] - x[g.dst]).detach().requires_grad_()
+def _counting(fast: bool):
+    """Swap in counting wrappers of both fast paths (declining every call unless ``fast``); returns (counts, restore)."""
     taken = {"cat": 0, "index_add": 0}
     originals = {"cat": _dispatch.cat_same_layout, "index_add": _dispatch.index_add_local}
 
@@ -44,12 +40,27 @@ def _run(ctx, case, fast: bool):
 
         return patched
 
+    def restore():
+        _dispatch.cat_same_layout, _dispatch.index_add_local = originals["cat"], originals["index_add"]
+
     _dispatch.cat_same_layout, _dispatch.index_add_local = counting("cat"), counting("index_add")
+    return taken, restore
+
+
+def _run(ctx, case, fast: bool):
+    gen = torch.Generator().manual_seed(7)
+    x_full = torch.randn(case.num_nodes, F, dtype=torch.float64, generator=gen)
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(3 * F, F, dtype=torch.float64)
+    g = build_graph(case.given(), case.shard_nodes(ctx.mesh, x_full))
+    x = case.shard_nodes(ctx.mesh, x_full).requires_grad_()
+    e = (x[g.src] - x[g.dst]).detach().requires_grad_()
+    taken, restore = _counting(fast)
     try:
         h, e2 = _block(x, e, g.src, g.dst, lin)
         ((h * h).sum() + (e2 * e2).sum()).backward()
     finally:
-        _dispatch.cat_same_layout, _dispatch.index_add_local = originals["cat"], originals["index_add"]
+        restore()
     grads = [x.grad._local_tensor, e.grad._local_tensor] + [p.grad.clone() for p in lin.parameters()]
     return taken, [h._local_tensor, e2._local_tensor] + grads, (x_full, e, lin, h)
 
@@ -73,3 +84,33 @@ def test_fast_paths_taken_and_equal_to_general_path(ctx):
         ((ref_h * ref_h).sum() + (ref_e2 * ref_e2).sum()).backward()
         torch.testing.assert_close(h.full_tensor(), ref_h)
         torch.testing.assert_close(fast[2], case.box(ref_x.grad))
+
+
+def _other_layout(ctx, case, fast: bool):
+    """Gradients handed to both nodes in another layout (replicated): the backward takes the general slices/reads."""
+    gen = torch.Generator().manual_seed(8)
+    x_full = torch.randn(case.num_nodes, F, dtype=torch.float64, generator=gen)
+    g = build_graph(case.given(), case.shard_nodes(ctx.mesh, x_full))
+    x = case.shard_nodes(ctx.mesh, x_full).requires_grad_()
+    e = (x[g.src] * 2).detach().requires_grad_()
+    taken, restore = _counting(fast)
+    try:
+        joined = torch.cat([e, e * 3], dim=1)
+        summed = torch.index_add(torch.zeros_like(x), 0, g.dst, e)
+        replicated = [Replicate()] * ctx.mesh.ndim
+        grads = [torch.ones_like(t).redistribute(placements=replicated) * 0.5 for t in (joined, summed)]
+        (ge,) = torch.autograd.grad([joined, summed], [e], grads)
+    finally:
+        restore()
+    return taken, ge
+
+
+@distributed
+def test_fast_paths_with_gradients_in_another_layout(ctx):
+    case = random_case(ctx.mesh, 29, 70, 64)
+    taken, fast = _other_layout(ctx, case, True)
+    assert taken == {"cat": 1, "index_add": 1}, taken
+    _, general = _other_layout(ctx, case, False)
+    assert fast._spec.placements == general._spec.placements
+    assert torch.equal(fast._local_tensor, general._local_tensor)
+    torch.testing.assert_close(fast.full_tensor(), torch.full_like(fast.full_tensor(), 0.5 * (1 + 3) + 0.5))

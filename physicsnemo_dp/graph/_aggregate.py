@@ -23,11 +23,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ..rule_kit import normalize_dim, resolve_partial, shard_tensor_cls, wrap
+from .._torch_compat import SubclassFunction, dispatch_mode_active, eval_frame_callback, functorch_transforms_active
+from ..rule_kit import normalize_dim, plain_gradient, resolve_partial, shard_tensor_cls, wrap
 from ._graph import GraphIndex, graph_of
 from ._requests import table
+from ._rows import rows_local
 
-__all__ = ["aggregate"]
+__all__ = ["aggregate", "index_add_local"]
 
 
 def _other_dims_replicated(spec, graph) -> bool:
@@ -97,3 +99,70 @@ def aggregate(gi: GraphIndex, kind: str, x, index, src, *, in_place: bool, **opt
         x._local_tensor, x._spec = out, spec
         return x
     return wrap(out, spec)
+
+
+def index_add_local(x, dim, index, source):
+    """``torch.index_add(x, dim, index, source)`` (``alpha`` 1) with a graph's ``dst`` as one autograd node, else None.
+
+    Taken when ``x`` is in the graph's node layout and ``source`` in its edge
+    layout (same dtype), along dim 0, outside torch.compile tracing, dispatch
+    modes and functorch transforms: the forward is :func:`aggregate`'s local
+    op, the backward is ATen's formula on the local gradient (``grad`` for
+    ``x``; its rows at the local destinations for ``source``), with no
+    dispatch of the backward's ``index_select``. Every other call (None) takes
+    the dispatch-level rule.
+    """
+    ShardTensor = shard_tensor_cls()
+    if type(x) is not ShardTensor or type(source) is not ShardTensor or not isinstance(dim, int):
+        return None
+    gi = graph_of(index)
+    if gi is None or gi.role != "dst" or len(index._spec.global_shape) != 1:  # (not index.ndim: a torch-function trip)
+        return None
+    xs, ss = x._spec, source._spec
+    shape = xs.global_shape
+    if not shape or dim not in (0, -len(shape)) or len(ss.global_shape) != len(shape):
+        return None
+    graph = gi.graph
+    dtype = xs.tensor_meta.dtype
+    if ss.tensor_meta.dtype is not dtype or shape[1:] != ss.global_shape[1:]:
+        return None
+    if xs is not graph.node_spec(shape, dtype) or ss is not graph.edge_spec(ss.global_shape, dtype):
+        return None
+    if torch.compiler.is_compiling() or eval_frame_callback() is not None or dispatch_mode_active() \
+            or functorch_transforms_active():  # fmt: skip
+        return None
+    if not torch.is_grad_enabled() or not (x.requires_grad or source.requires_grad):
+        return _local_index_add(gi, x, source)
+    return _IndexAdd.apply(gi, index, x, source)
+
+
+def _local_index_add(gi, x, source):
+    """:func:`aggregate`'s ``index_add`` for operands already in the node and edge layouts (checked by the caller)."""
+    out = x._local_tensor
+    return wrap(torch.index_add(out, 0, table(gi.graph.dst_local, out), source._local_tensor), x._spec)
+
+
+class _IndexAdd(SubclassFunction):
+    """:func:`index_add_local`'s autograd node."""
+
+    @staticmethod
+    def forward(ctx, gi, index, x, source):
+        ctx.gi, ctx.index, ctx.x_spec, ctx.source_spec = gi, index, x._spec, source._spec
+        ctx.set_materialize_grads(False)
+        return _local_index_add(gi, x, source)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        if type(grad) is not shard_tensor_cls():  # a plain gradient of the global shape
+            grad = plain_gradient(grad, ctx.x_spec)
+        needs = ctx.needs_input_grad
+        g_source = None
+        if needs[3]:
+            if grad._spec is ctx.x_spec:
+                g_source = wrap(rows_local(ctx.gi, grad._local_tensor), ctx.source_spec)
+            else:  # another layout: ATen's formula through the dispatch-level rules, as the general path
+                g_source = grad.index_select(0, ctx.index)
+        return None, None, (grad if needs[2] else None), g_source

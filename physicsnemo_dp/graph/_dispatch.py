@@ -41,7 +41,8 @@ from ..errors import PlacementError
 from ..rule_kit import bind_args, normalize_dim, shard_tensor_cls, wrap
 from ..rules import indexing
 from ..rules.indexing.functions import _default
-from ._aggregate import aggregate, eligible
+from ..rules.joins import cat_same_layout
+from ._aggregate import aggregate, eligible, index_add_local
 from ._graph import GraphIndex, graph_of
 from ._loops import edge_index_graph, edge_mask_of, join, mark_comparison, mark_mask, masked_graph, tag_masked
 from ._requests import RequestRead, gatherable, request_read, requestable
@@ -201,7 +202,18 @@ def _functions():
     def cat(func, types, args, kwargs):
         a = dict(zip(("tensors", "dim"), args), **kwargs)
         if set(a) <= {"tensors", "dim"} and "tensors" in a and isinstance(a["tensors"], (list, tuple)):
+            out = cat_same_layout(a["tensors"], a.get("dim", 0))  # same-layout operands, unsharded dim
+            if out is not None:
+                return out
             out = join(list(a["tensors"]), a.get("dim", 0))
+            if out is not None:
+                return out
+        return _default(func, args, kwargs)
+
+    def index_add(func, types, args, kwargs):
+        a = dict(zip(("input", "dim", "index", "source"), args), **kwargs)
+        if len(a) == 4 + ("alpha" in a) and "source" in a and a.get("alpha", 1) == 1:
+            out = index_add_local(a.get("input"), a.get("dim"), a.get("index"), a.get("source"))
             if out is not None:
                 return out
         return _default(func, args, kwargs)
@@ -223,6 +235,7 @@ def _functions():
     }
     for funcs, handler in (
         ((torch.cat, torch.concat, torch.concatenate), cat),
+        ((torch.index_add, torch.Tensor.index_add), index_add),
         ((torch.ne, torch.eq, torch.Tensor.ne, torch.Tensor.eq, torch.Tensor.__ne__, torch.Tensor.__eq__), comparison),
         ((torch.nn.functional.embedding,), embedding),
         ((torch.Tensor.__getitem__,), getitem),

@@ -59,9 +59,15 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .. import _intervals, _layout, collectives
 from .._redistribute import redistribute_local
 from .._reshape import nested_chunks
-from .._torch_compat import torch_function_disabled
+from .._torch_compat import (
+    SubclassFunction,
+    dispatch_mode_active,
+    eval_frame_callback,
+    functorch_transforms_active,
+    torch_function_disabled,
+)
 from ..propagation import OpPlan, cached, collective_step, freeze, moves, redistribution_steps, replicated
-from ..rule_kit import normalize_dim, shard_tensor_cls, unshard_target, wrap
+from ..rule_kit import normalize_dim, plain_gradient, shard_tensor_cls, unshard_target, wrap
 from ..spec import ShardTensorSpec
 from .views import derived_spec, with_new_dim, without_dim
 
@@ -454,3 +460,102 @@ FUNCTIONS: dict = {torch.tensor_split: _tensor_split, torch.Tensor.tensor_split:
 
 #: ``propagation.plan`` entries: every op of this family plans apart from execution.
 PROPAGATORS: dict = dict.fromkeys(_PLANNERS, _propagate_entry)
+
+
+# --------------------------------------------------------------------------- #
+# cat of same-layout operands along an unsharded dim (function level, above autograd)
+# --------------------------------------------------------------------------- #
+#: (dim, operand specs' ids) -> (operand specs (kept alive: the ids stay theirs), output spec, sizes along dim)
+_SAME_CAT: dict = {}
+
+
+def _same_cat_plan(specs: tuple, d: int):
+    """Output spec and sizes of a cat of operands of layouts ``specs`` along their unsharded dim ``d``, else None."""
+    key = (d, *map(id, specs))
+    hit = _SAME_CAT.get(key)
+    if hit is not None:
+        return hit[1], hit[2]
+    first = specs[0]
+    shape = first.global_shape
+    if first.has_partial or d >= len(shape) or first.dim_sizes[d] is not None:
+        return None
+    rest = shape[:d] + shape[d + 1 :]
+    for s in specs[1:]:
+        if (s.mesh is not first.mesh or s.placements != first.placements or s.dim_sizes != first.dim_sizes
+                or s.tensor_meta.dtype != first.tensor_meta.dtype or len(s.global_shape) != len(shape)
+                or s.global_shape[:d] + s.global_shape[d + 1 :] != rest):  # fmt: skip
+            return None
+    sizes = tuple(s.global_shape[d] for s in specs)
+    out_shape = shape[:d] + (sum(sizes),) + shape[d + 1 :]
+    out = ShardTensorSpec.from_sizes(first.mesh, first.placements, out_shape, first.tensor_meta.dtype, first.dim_sizes)
+    if len(_SAME_CAT) >= 1024:
+        _SAME_CAT.clear()
+    _SAME_CAT[key] = (specs, out, sizes)
+    return out, sizes
+
+
+def cat_same_layout(tensors, dim):
+    """``torch.cat(tensors, dim)`` of ShardTensors of one layout along a dim none of them shards, else None.
+
+    The local tensors are joined as they are (the global join of same-layout
+    slabs along an unsharded dim is the join of the slabs); one autograd node
+    whose backward splits the local gradient once. Declines (None) for
+    anything else: mixed layouts or dtypes, a sharded or pending dim, plain
+    operands, and while torch.compile traces or a dispatch mode or functorch
+    transform is active (the generic rule serves those).
+    """
+    ShardTensor = shard_tensor_cls()
+    if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or not isinstance(dim, int):
+        return None
+    for t in tensors:
+        if type(t) is not ShardTensor:
+            return None
+    specs = tuple(t._spec for t in tensors)
+    ndim = len(specs[0].global_shape)
+    if ndim == 0 or not -ndim <= dim < ndim:
+        return None
+    plan = _same_cat_plan(specs, dim + ndim if dim < 0 else dim)
+    if plan is None:
+        return None
+    if torch.compiler.is_compiling() or eval_frame_callback() is not None or dispatch_mode_active() \
+            or functorch_transforms_active():  # fmt: skip
+        return None
+    out_spec, sizes = plan
+    d = dim + ndim if dim < 0 else dim
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return wrap(torch.cat([t._local_tensor for t in tensors], d), out_spec)
+    return _SameCat.apply(d, out_spec, sizes, specs, *tensors)
+
+
+class _SameCat(SubclassFunction):
+    """:func:`cat_same_layout` as one autograd node: the local join, its backward one split of the local gradient."""
+
+    @staticmethod
+    def forward(ctx, d, out_spec, sizes, specs, *tensors):
+        ctx.d, ctx.out_spec, ctx.sizes, ctx.specs = d, out_spec, sizes, specs
+        ctx.set_materialize_grads(False)
+        return wrap(torch.cat([t._local_tensor for t in tensors], d), out_spec)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        n = len(ctx.specs)
+        if grad is None:
+            return (None,) * (4 + n)
+        if type(grad) is not shard_tensor_cls():  # a plain gradient of the global shape
+            grad = plain_gradient(grad, ctx.out_spec)
+        out = ctx.out_spec
+        if grad._spec.placements != out.placements or grad._spec.dim_sizes != out.dim_sizes:
+            # another layout (e.g. pending): the slices torch's own backward of cat takes, through the generic rule
+            offsets = [0]
+            for s in ctx.sizes:
+                offsets.append(offsets[-1] + s)
+            return (None,) * 4 + tuple(
+                grad.narrow(ctx.d, o, s) if need else None
+                for o, s, need in zip(offsets, ctx.sizes, ctx.needs_input_grad[4:])
+            )
+        needs = ctx.needs_input_grad
+        pieces = torch.split(grad._local_tensor, ctx.sizes, ctx.d)
+        return (None,) * 4 + tuple(
+            wrap(p, s) if needs[4 + i] else None for i, (p, s) in enumerate(zip(pieces, ctx.specs))
+        )

@@ -49,6 +49,7 @@ __all__ = ["ShardTensor"]
 #: Dynamo must not compile the handlers' own frames either when a call runs
 #: eagerly inside a compiled function (at a graph break, e.g. ring attention).
 _handle_torch_function = torch.compiler.disable(handle_torch_function)
+_REQUIRES_GRAD = TensorBase.requires_grad.__get__
 
 
 class ShardTensor(torch.Tensor):
@@ -111,8 +112,12 @@ class ShardTensor(torch.Tensor):
 
     # The context also carries the tags kept on the local tensor's storage (rule_kit.carry_storage_tag: a
     # graph's index buffer), which tracing's fake and functional stand-ins would otherwise lose.
+    # Called for every ShardTensor entering or leaving a compiled region and by each of its guards: the
+    # C getter under disabled torch-function, without the ``requires_grad`` property's frame.
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad, storage_tags(self._local_tensor))
+        with torch_function_disabled():
+            requires_grad = _REQUIRES_GRAD(self)
+        return ["_local_tensor"], (self._spec, requires_grad, storage_tags(self._local_tensor))
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):

@@ -276,9 +276,16 @@ class ShardTensor(torch.Tensor):
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> "ShardTensor":
         """Same layout with a local tensor contiguous in ``memory_format`` (differentiable; ``self`` if it already is)."""
-        if self.is_contiguous(memory_format=memory_format):
+        local = self._local_tensor
+        if local.is_contiguous(memory_format=memory_format):
             return self
-        return Contiguous.apply(self, memory_format)
+        if torch.is_grad_enabled():
+            with torch_function_disabled():
+                recorded = _REQUIRES_GRAD(self)
+            if recorded:
+                return Contiguous.apply(self, memory_format)
+        # nothing to record (AOTAutograd's tangents in backward, no_grad code): Contiguous's forward, no Function
+        return ShardTensor._of_local(local.contiguous(memory_format=memory_format), self._spec)
 
     def redistribute(
         self,

@@ -1,5 +1,6 @@
 """F.scaled_dot_product_attention on ShardTensors against the single-process op."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Replicate, Shard
@@ -155,3 +156,11 @@ def test_one_kernel_call_on_the_local_tensors(ctx):
                     assert torch.equal(a, b), f"{layout} causal={causal}: not the grouped path's bits"
     finally:
         function.WholeAttention.apply = apply
+    # the saved output is the ShardTensor itself: an in-place change before backward is caught
+    q, k, v = (shard_from_global(t, make_spec(mesh, _layouts(mesh)[0][0], tuple(t.shape)), requires_grad=True)
+               for t in _qkv(L=7, S=7, E=4, Ev=4))  # fmt: skip
+    out = sdpa(q, k, v)
+    with torch.no_grad():
+        out.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(out.detach() * 0 + 1)

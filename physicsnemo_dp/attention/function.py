@@ -68,7 +68,11 @@ def _whole_call(q, k, v, mask, ap: AttentionPlan):
     caller's local tensors, as plain torch does.
     """
     kind = ap.layout.kind
-    if mask is not None or ap.options.groups != 1 or not (kind == "local" or (kind == "ring" and ap.schedule.size == 1)):
+    if (
+        mask is not None
+        or ap.options.groups != 1
+        or not (kind == "local" or (kind == "ring" and ap.schedule.size == 1))
+    ):
         return None
     tiles = ap.schedule.blocks[0].tiles
     if len(tiles) != 1:

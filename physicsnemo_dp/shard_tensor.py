@@ -49,6 +49,7 @@ __all__ = ["ShardTensor"]
 #: Dynamo must not compile the handlers' own frames either when a call runs
 #: eagerly inside a compiled function (at a graph break, e.g. ring attention).
 _handle_torch_function = torch.compiler.disable(handle_torch_function)
+_REQUIRES_GRAD = TensorBase.requires_grad.__get__
 
 
 class ShardTensor(torch.Tensor):
@@ -111,8 +112,12 @@ class ShardTensor(torch.Tensor):
 
     # The context also carries the tags kept on the local tensor's storage (rule_kit.carry_storage_tag: a
     # graph's index buffer), which tracing's fake and functional stand-ins would otherwise lose.
+    # Called for every ShardTensor entering or leaving a compiled region and by each of its guards: the
+    # C getter under disabled torch-function, without the ``requires_grad`` property's frame.
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad, storage_tags(self._local_tensor))
+        with torch_function_disabled():
+            requires_grad = _REQUIRES_GRAD(self)
+        return ["_local_tensor"], (self._spec, requires_grad, storage_tags(self._local_tensor))
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
@@ -271,9 +276,16 @@ class ShardTensor(torch.Tensor):
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> "ShardTensor":
         """Same layout with a local tensor contiguous in ``memory_format`` (differentiable; ``self`` if it already is)."""
-        if self.is_contiguous(memory_format=memory_format):
+        local = self._local_tensor
+        if local.is_contiguous(memory_format=memory_format):
             return self
-        return Contiguous.apply(self, memory_format)
+        if torch.is_grad_enabled():
+            with torch_function_disabled():
+                recorded = _REQUIRES_GRAD(self)
+            if recorded:
+                return Contiguous.apply(self, memory_format)
+        # nothing to record (AOTAutograd's tangents in backward, no_grad code): Contiguous's forward, no Function
+        return ShardTensor._of_local(local.contiguous(memory_format=memory_format), self._spec)
 
     def redistribute(
         self,

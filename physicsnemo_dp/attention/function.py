@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_compat import Function, non_differentiable
+from .._torch_compat import Function, fused_cpu_attention, fused_cpu_attention_backward, non_differentiable
 from ..rule_kit import wrap
+from ._blocks import _fused, _kernel_memory, _kernel_parts, compute_dtype
 from ._common import grouped, local_grad, ungrouped_grads
 from ._propagate import AttentionPlan
 from .local import kv_sharded_backward, kv_sharded_forward, local_backward, local_forward
@@ -57,6 +58,73 @@ class SDPAFunction(Function):
         return (*ungrouped_grads(g, dq, dk, dv, ap.layout), None, None)
 
 
+def _whole_call(q, k, v, mask, ap: AttentionPlan):
+    """``causal`` (a bool) when the call is one fused CPU kernel call on the local tensors as they are, else None.
+
+    That is: the keys are whole on this rank (the local kind, or a ring of one rank), one tile covers every
+    query and key and the kernel computes it in one part (fully visible, or causal from its top-left corner),
+    no mask, one query head per key head, 4-D tensors of one dtype that is its own compute dtype, with the
+    same batch and head dims. Then :class:`WholeAttention` runs torch's own kernel and its backward on the
+    caller's local tensors, as plain torch does.
+    """
+    kind = ap.layout.kind
+    if (
+        mask is not None
+        or ap.options.groups != 1
+        or not (kind == "local" or (kind == "ring" and ap.schedule.size == 1))
+    ):
+        return None
+    tiles = ap.schedule.blocks[0].tiles
+    if len(tiles) != 1:
+        return None
+    ql, kl, vl = q._local_tensor, k._local_tensor, v._local_tensor
+    if ql.ndim != 4 or not _fused(ql, vl, None) or not (ql.dtype == kl.dtype == vl.dtype == compute_dtype(ql.dtype)):
+        return None
+    if not (ql.shape[:-2] == kl.shape[:-2] == vl.shape[:-2]):
+        return None
+    parts = _kernel_parts(tiles[0])
+    if len(parts) != 1:
+        return None
+    part, causal = parts[0]
+    if (part.q_start, part.q_len, part.k_start, part.k_len) != (0, ql.shape[-2], 0, kl.shape[-2]):
+        return None
+    return causal
+
+
+class WholeAttention(Function):
+    """``(q, k, v)`` ShardTensors whose attention is one fused CPU kernel call (:func:`_whole_call`) -> ``(output, lse)``.
+
+    The kernel's output, log-sum-exp and gradients are those of :class:`SDPAFunction`'s one-call path
+    (the same kernel per head, without regrouping the heads into the kernel's batch dim), laid out as the
+    kernel returns them, which is what plain torch's ``F.scaled_dot_product_attention`` gives.
+    ``tests/attention/test_blocks.py`` checks them bit for bit against the merged tiles.
+    """
+
+    @staticmethod
+    def forward(q, k, v, causal, ap: AttentionPlan):
+        out, lse = fused_cpu_attention(*(_kernel_memory(t._local_tensor) for t in (q, k, v)), causal, ap.options.scale)
+        return wrap(out, ap.plan.output_specs[0]), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.causal, ctx.ap = inputs
+        ctx.save_for_backward(q, k, v, output[0], output[1])
+        non_differentiable(ctx, output[1])
+
+    @staticmethod
+    def backward(ctx, grad, _grad_lse):
+        if grad is None:
+            return None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        layout = ctx.ap.layout
+        dout = _kernel_memory(local_grad(grad, layout.out))
+        dq, dk, dv = fused_cpu_attention_backward(
+            dout, *(_kernel_memory(t._local_tensor) for t in (q, k, v)), out._local_tensor, lse, ctx.causal,
+            ctx.ap.options.scale,
+        )  # fmt: skip
+        return wrap(dq, layout.q_grad), wrap(dk, layout.k_grad), wrap(dv, layout.v_grad), None, None
+
+
 @torch.compiler.disable
 def ring_attention(q, k, v, mask, ap: AttentionPlan):
     """Ring attention, run eagerly also inside a ``torch.compile``d model (a graph break here)."""
@@ -71,4 +139,7 @@ def attention(q, k, v, mask, ap: AttentionPlan):
     """
     if ap.layout.kind == "ring" and ap.schedule.size > 1:
         return ring_attention(q, k, v, mask, ap)
+    causal = _whole_call(q, k, v, mask, ap)
+    if causal is not None:  # one kernel call on the local tensors as given: torch's kernel and backward, nothing around
+        return WholeAttention.apply(q, k, v, causal, ap)[0]
     return SDPAFunction.apply(q, k, v, mask, ap)[0]

@@ -61,7 +61,8 @@ from .._redistribute import redistribute_local
 from .._reshape import compatible_layout, output_layout
 from ..errors import PlacementError
 from ..propagation import OpPlan, redistribution_steps
-from ..rule_kit import normalize_dim, resolve_partial, unshard_target, wrap
+from .._torch_compat import TensorBase, torch_function_disabled
+from ..rule_kit import normalize_dim, resolve_partial, shard_tensor_cls, unshard_target, wrap
 
 aten = torch.ops.aten
 
@@ -412,6 +413,41 @@ def _as_strided(func, args, kwargs):
 
 _SHAPE_VIEWS = frozenset((aten.view.default, aten._unsafe_view.default))
 
+_REQUIRES_GRAD = TensorBase.requires_grad.__get__
+
+
+def _unsafe_view_unrecorded(func, types, args, kwargs):
+    """``aten._unsafe_view(x, x.shape)`` that autograd does not record, served above the dispatcher.
+
+    AOTAutograd runs it on every output of a compiled region that aliases
+    another output (``q, k, v = proj(x).chunk(3)``), with grad mode off, to hide
+    the aliasing from autograd. ``_unsafe_view`` is no view to autograd (its
+    output shares no version counter or base with ``x``) and nothing is
+    recorded, so the result is what the dispatcher path computes (a new
+    wrapper around the local tensor viewed to its own shape, same spec:
+    :func:`_same_shape_view`) without the trip through it (~10 us a call).
+    Anything else declines and takes the ordinary path.
+    """
+    if kwargs or len(args) != 2 or type(args[0]) is not shard_tensor_cls():
+        return NotImplemented
+    x = args[0]
+    if not _own_shape(args[1], x._spec):
+        return NotImplemented
+    if torch.is_grad_enabled():
+        with torch_function_disabled():
+            if _REQUIRES_GRAD(x):
+                return NotImplemented
+    return _same_shape_view(x)
+
+
+def _ordinary(func, types, args, kwargs):
+    """The call as the hook runs an op without a handler (promoted arguments, to the dispatcher)."""
+    with torch_function_disabled():
+        return func(*args, **kwargs)
+
+
+_ordinary.before_promotion = _unsafe_view_unrecorded
+
 _PLANNERS.update({
     aten.view.default: _plan_view,
     aten._unsafe_view.default: _plan_view,
@@ -433,7 +469,9 @@ RULES: dict = {
     aten.as_strided.default: _as_strided,
     aten.as_strided_.default: _as_strided,
 }
-FUNCTIONS: dict = {}
+#: AOTAutograd calls the packet (``torch.ops.aten._unsafe_view(o, o.shape)``), which reaches the hook as the
+#: packet and then as its default overload.
+FUNCTIONS: dict = {aten._unsafe_view: _ordinary, aten._unsafe_view.default: _ordinary}
 
 #: ``propagation.plan`` entries of this family (the ops planned apart from execution).
 PROPAGATORS: dict = {op: _propagate_entry for op in _PLANNERS}

@@ -138,3 +138,26 @@ def test_one_kernel_call_gives_the_bits_of_the_merged_tile(hq, hk, L, S, causal,
     assert one_call(q5, k5, v5, mask, tiles) is None
     assert one_call(q5, k5, v5, None, plan_tiles((Span(0, L, 4),), (Span(0, S, 0),), True)) is None
     assert one_call(q5, k5, v5, None, plan_tiles((Span(0, 4, 0), Span(4, L - 4, 4)), (Span(0, S, 0),), False)) is None
+
+
+@pytest.mark.parametrize("causal,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.float64)])
+def test_kernel_on_the_callers_heads_gives_the_bits_of_the_grouped_call(causal, dtype):
+    """``WholeAttention`` (one rank's keys whole, one query head per key head) calls the kernel on the (B, H, L, E)
+    tensors as given; the grouped one-call path folds the heads into the kernel's batch. Same bits, both ways."""
+    from physicsnemo_dp._torch_compat import fused_cpu_attention, fused_cpu_attention_backward
+
+    g = torch.Generator().manual_seed(5)
+    B, H, L, E = 2, 3, 11, 8
+    q, k, v = (torch.randn(B, L, H, E, generator=g).to(dtype).transpose(1, 2) for _ in range(3))
+    q5, k5, v5 = _heads.group_queries(q, 1, dtype), _heads.group_keys(k), _heads.group_keys(v)
+    call = one_call(q5, k5, v5, None, plan_tiles((Span(0, L, 0),), (Span(0, L, 0),), causal))
+    assert call is not None and call[1] == causal
+    out5, lse5 = attend_whole(q5, k5, v5, *call, 0.3)
+    out, lse = fused_cpu_attention(q, k, v, causal, 0.3)
+    assert torch.equal(out, _heads.ungroup_queries(out5, 4, dtype)) and torch.equal(lse, _heads.ungroup_rows(lse5, 4))
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    grads5 = attend_backward_whole(q5, k5, v5, *call, 0.3, _heads.group_queries(dout, 1, dtype), out5, lse5)
+    grads = fused_cpu_attention_backward(dout, q, k, v, out, lse, causal, 0.3)
+    ungroup = (_heads.ungroup_queries, _heads.ungroup_keys, _heads.ungroup_keys)
+    for a, b, back in zip(grads, grads5, ungroup):
+        assert torch.equal(a, back(b, 4, dtype))

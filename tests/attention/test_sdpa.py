@@ -1,5 +1,6 @@
 """F.scaled_dot_product_attention on ShardTensors against the single-process op."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Replicate, Shard
@@ -115,3 +116,51 @@ def test_sharded_masks(ctx):
         for mask, placements in ((full, Shard(2)), (full, Shard(3)), (pad, Shard(3)), (bias, Shard(2)), (bias, Shard(3))):
             check(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m.detach()), [*zip(_qkv(), layout), (mask, on(placements))],
                   mesh, label=f"mask {tuple(mask.shape)} {placements}")  # fmt: skip
+
+
+@distributed(world_sizes=(1, 3), timeout=300)
+def test_one_kernel_call_on_the_local_tensors(ctx):
+    """Whole keys on a rank, one tile, one query head per key head, E == Ev: the fused CPU kernel runs on the
+    local (B, H, L, E) tensors as given (``WholeAttention``), with the values and gradients of the full-tensor
+    call and the bits of the grouped path (``SDPAFunction``), on every layout; taken at P = 1 when q, k and v
+    share a layout (a ring of one rank included; queries against sharded keys keep their merged backward)."""
+    from physicsnemo_dp.attention import function
+
+    from ..core._util import make_spec, shard_from_global
+
+    mesh, sdpa = ctx.mesh, F.scaled_dot_product_attention
+    taken, apply = [], function.WholeAttention.apply
+    function.WholeAttention.apply = lambda *a: taken.append(1) or apply(*a)
+    try:
+        for causal in (False, True):
+            tensors = _qkv(L=7, S=7, E=4, Ev=4)
+            fn = lambda q, k, v: sdpa(q, k, v, is_causal=causal)  # noqa: E731
+            for layout in _layouts(mesh):
+                taken.clear()
+                _run(mesh, fn, tensors, layout, f"whole-call causal={causal}")
+                if mesh.size() == 1 and mesh.device_type == "cpu" and layout[0] == layout[1] == layout[2]:
+                    assert taken, f"{layout}: the one-call path was not taken"
+                runs = []
+                for whole in (True, False):
+                    xs = [shard_from_global(t, make_spec(mesh, p, tuple(t.shape), salt=i), requires_grad=True)
+                          for i, (t, p) in enumerate(zip(tensors, layout))]  # fmt: skip
+                    found = function._whole_call
+                    function._whole_call = found if whole else (lambda *a: None)
+                    try:
+                        out = fn(*xs)
+                        out.backward(out.detach() * 0 + 1)
+                    finally:
+                        function._whole_call = found
+                    runs.append([out._local_tensor] + [x.grad._local_tensor for x in xs])
+                for a, b in zip(*runs):
+                    assert torch.equal(a, b), f"{layout} causal={causal}: not the grouped path's bits"
+    finally:
+        function.WholeAttention.apply = apply
+    # the saved output is the ShardTensor itself: an in-place change before backward is caught
+    q, k, v = (shard_from_global(t, make_spec(mesh, _layouts(mesh)[0][0], tuple(t.shape)), requires_grad=True)
+               for t in _qkv(L=7, S=7, E=4, Ev=4))  # fmt: skip
+    out = sdpa(q, k, v)
+    with torch.no_grad():
+        out.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(out.detach() * 0 + 1)

@@ -126,3 +126,66 @@ def test_transformer_block_is_one_graph_when_the_ring_has_one_rank(ctx):
     )
     assert capture.frames == 1, f"{capture.frames} graphs: the attention broke the graph"
     assert capture.count("forward", aten._scaled_dot_product_flash_attention_for_cpu.default) == 1
+
+
+@distributed(world_sizes=(1,), mesh_2d=False, timeout=600)
+def test_region_outputs_aliasing_one_base_skip_the_dispatcher(ctx):
+    """AOTAutograd hides outputs that alias one base (``q, k, v`` of one projection) behind
+    ``aten._unsafe_view(o, o.shape)`` on every call; on ShardTensors that is served above the dispatcher
+    (no rule runs at run time), with the values, layouts and gradients of eager. A recorded call (input
+    requiring grad, grad mode on) still takes the dispatcher path and autograd's node."""
+    import physicsnemo_dp.shard_tensor as st
+    from benchmarks.compiled import _QKV
+
+    torch.manual_seed(0)
+    qkv = _QKV(8, 2).double()
+    g = torch.randn(1, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    xs = make_inputs([(g, (Shard(1),))], ctx.mesh)
+    compiled = torch.compile(copy.deepcopy(qkv), backend="aot_eager", fullgraph=True)
+    compiled(*make_inputs([(g, (Shard(1),))], ctx.mesh))  # compiled here, not counted below
+    seen, dispatch = [], st.handle_torch_dispatch
+    st.handle_torch_dispatch = lambda func, *rest: seen.append(func) or dispatch(func, *rest)
+    try:
+        outs = compiled(*xs)
+    finally:
+        st.handle_torch_dispatch = dispatch
+    assert aten._unsafe_view.default not in seen, seen
+    eager_xs = make_inputs([(g, (Shard(1),))], ctx.mesh)
+    eager = qkv(*eager_xs)
+    for o, e in zip(outs, eager):
+        assert o._spec == e._spec and torch.equal(o._local_tensor, e._local_tensor)
+    sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    sum((e * (i + 1)).sum() for i, e in enumerate(eager)).backward()
+    assert torch.equal(xs[0].grad._local_tensor, eager_xs[0].grad._local_tensor)
+    recorded = torch.ops.aten._unsafe_view(eager_xs[0] * 1, tuple(g.shape))
+    assert "UnsafeView" in recorded.grad_fn.name(), recorded.grad_fn
+
+
+@distributed(world_sizes=(1,), mesh_2d=False, timeout=600)
+def test_guards_compare_specs_by_identity_and_recompile_on_a_new_layout(ctx):
+    """Specs are immutable, so a (deep) copy is the spec itself: torch.compile's guards and tangent checks
+    keep the very object and compare on identity. A spec equal but not identical passes the guard; a new
+    layout of the same local and global shapes (another sharded dim) still compiles a new graph."""
+    from physicsnemo_dp import ShardTensor, ShardTensorSpec
+    from physicsnemo_dp.debug import compile_counts
+    from physicsnemo_dp.spec import _built_spec
+
+    g = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = ShardTensor.from_spec(g.clone(), ShardTensorSpec.chunked(ctx.mesh, [Shard(0)], (4, 4), g.dtype))
+    assert copy.deepcopy(x._spec) is x._spec and copy.copy(x._spec) is x._spec
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: (t * 2).sum(dim=1), backend="aot_eager", fullgraph=True)
+    start = compile_counts()["graphs"]
+    out = fn(x)
+    assert out._spec.placements == (Shard(0),)
+    _built_spec.cache_clear()  # the same layout as a new, equal object: no recompilation
+    same = ShardTensor.from_spec(g.clone(), ShardTensorSpec.chunked(ctx.mesh, [Shard(0)], (4, 4), g.dtype))
+    assert same._spec is not x._spec and same._spec == x._spec
+    fn(same)
+    assert compile_counts()["graphs"] - start == 1
+    other = ShardTensor.from_spec(g.clone(), ShardTensorSpec.chunked(ctx.mesh, [Shard(1)], (4, 4), g.dtype))
+    out = fn(other)
+    assert compile_counts()["graphs"] - start == 2, "a new layout must compile a new graph"
+    assert out._spec.placements != (Shard(0),)  # the sum over the sharded dim: a pending sum
+    assert torch.equal(out.full_tensor(), (g * 2).sum(dim=1))
+    torch._dynamo.reset()

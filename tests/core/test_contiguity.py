@@ -60,6 +60,23 @@ def test_is_contiguous_and_contiguous_follow_the_local_tensor(ctx, storage):
     assert z._local_tensor.is_contiguous(memory_format=torch.channels_last)
     assert z.is_contiguous(memory_format=torch.channels_last) and torch.equal(z.full_tensor(), G)
 
+    # nothing to record (no grad wanted, or grad mode off: AOTAutograd's tangents): no autograd Function
+    from physicsnemo_dp._conversion import Contiguous
+
+    applied, apply = [], Contiguous.apply
+    Contiguous.apply = lambda *a: applied.append(1) or apply(*a)
+    try:
+        with torch.no_grad():
+            n = x.contiguous()
+        d = x.detach().contiguous()
+        recorded = x.contiguous()
+    finally:
+        Contiguous.apply = apply
+    for t in (n, d):
+        assert t.grad_fn is None and t._spec == x._spec and t._local_tensor.is_contiguous()
+        assert torch.equal(t._local_tensor, local)
+    assert applied == ([] if local.is_contiguous() else [1]) and (recorded.grad_fn is None) == local.is_contiguous()
+
 
 @pytest.mark.parametrize("storage", ["contiguous", "transposed", "offset"])
 @distributed

@@ -272,3 +272,53 @@ def test_contraction_fast_path_steps_aside(ctx):
         torch.testing.assert_close(y.full_tensor(), G @ W)
     finally:
         tf.promote_args = promote_args
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=True)
+def test_linear_reductions_run_their_rule_without_the_dispatcher(ctx):
+    """``sum``/``mean``/``nansum`` (``rules/reductions/functions.LinearReduction``) call their dispatch rule
+    directly: no ATen call on a ShardTensor reaches the dispatcher, the bits and layouts (values and
+    gradients) are those of the dispatcher path, and a dispatch mode or a dispatch handler still sees the op."""
+    import physicsnemo_dp.shard_tensor as st
+    from physicsnemo_dp.dispatch.registry import dispatch_handlers
+    from physicsnemo_dp.rules.reductions import functions
+
+    G = integer_tensor((5, 7), seed=3) / 4
+    placements = (Shard(0),) * ctx.mesh.ndim if ctx.mesh.ndim == 1 else (Shard(0), Shard(1))
+    spec = make_spec(ctx.mesh, placements, G.shape)
+    calls = [lambda t: t.mean(), lambda t: t.sum(1, keepdim=True), lambda t: torch.mean(t, (0, 1), dtype=torch.float64),
+             lambda t: torch.nansum(t), lambda t: t.nansum(0, keepdim=True), lambda t: t.sum(dtype=torch.float64)]  # fmt: skip
+    seen, dispatch = [], st.handle_torch_dispatch
+    for k, call in enumerate(calls):
+        runs = []
+        for direct in (True, False):
+            x = shard_from_global(G, spec, requires_grad=True)
+            intercepted = functions._intercepted
+            functions._intercepted = intercepted if direct else (lambda op: True)
+            st.handle_torch_dispatch = lambda func, *rest: seen.append(func) or dispatch(func, *rest)
+            try:
+                seen.clear()
+                y = call(x)
+            finally:
+                st.handle_torch_dispatch, functions._intercepted = dispatch, intercepted
+            assert bool(seen) != direct, (k, seen)
+            y.backward(torch.ones_like(y))
+            runs.append((y, x.grad))
+        (y, g), (y_ref, g_ref) = runs
+        for a, b in ((y, y_ref), (g, g_ref)):
+            assert a._spec == b._spec and torch.equal(a._local_tensor, b._local_tensor), k
+        ref = G.clone().requires_grad_(True)
+        call(ref).backward(torch.ones_like(call(ref)))
+        assert torch.allclose(y.full_tensor(), call(G)) and torch.allclose(g.full_tensor(), ref.grad), k
+        with _Seen() as watching:
+            call(shard_from_global(G, spec))
+        assert watching.shard_ops > 0, k
+    handled = []
+    ShardTensor.register_dispatch_handler(
+        aten.mean.dim, lambda func, types, args, kwargs: handled.append(func) or functions._sum_like(func, args, kwargs)
+    )
+    try:
+        shard_from_global(G, spec).mean()
+    finally:
+        dispatch_handlers.unregister(aten.mean.dim)
+    assert handled == [aten.mean.dim]

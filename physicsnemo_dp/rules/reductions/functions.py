@@ -28,10 +28,18 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ..._redistribute import grad_layout
-from ..._torch_compat import Function, non_differentiable, torch_function_disabled
+from ..._torch_compat import (
+    Function,
+    any_autocast_enabled,
+    dispatch_mode_active,
+    non_differentiable,
+    torch_function_disabled,
+)
+from ...dispatch.registry import dispatch_handlers_registered, function_handlers
 from ...rule_kit import shard_tensor_cls, wrap
 from ._combine import all_reduce_sum, gather_combine, kept_grad
 from ._layout import Reduction, reduced_dims
+from .rules import _sum_like
 
 aten = torch.ops.aten
 
@@ -64,12 +72,27 @@ def _resolved(x):
 _LINEAR_OPS = {"sum": aten.sum.dim_IntList, "mean": aten.mean.dim, "nansum": aten.nansum.default}
 
 
+def _intercepted(op) -> bool:
+    """Whether something must see ``op`` on the ShardTensor itself: a handler, a dispatch mode, autocast."""
+    return (
+        dispatch_handlers_registered() or dispatch_mode_active() or any_autocast_enabled()
+        or function_handlers.get(op) is not None
+    )  # fmt: skip
+
+
 class LinearReduction(Function):
     """``sum``/``mean``/``nansum`` whose gradient is a local expand in the input's layout."""
 
     @staticmethod
     def forward(x, kind, dims, keepdim, dtype):
-        return _LINEAR_OPS[kind](x, None if dims is None else list(dims), keepdim, dtype=dtype)
+        op = _LINEAR_OPS[kind]
+        if _intercepted(op):
+            return op(x, None if dims is None else list(dims), keepdim, dtype=dtype)
+        # The op's dispatch rule, called as ``__torch_dispatch__`` would call it (the dispatcher drops
+        # trailing arguments that equal their defaults): the same plan and result without the trip through
+        # the torch-function hook and the dispatcher (~15 us of a ~90 us ``mean``).
+        args = (x,) if dims is None and not keepdim and kind == "nansum" else (x, None if dims is None else list(dims))
+        return _sum_like(op, (*args, True) if keepdim else args, {} if dtype is None else {"dtype": dtype})
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -66,7 +66,15 @@ from ._torch_compat import (
 )
 from .errors import PlacementError
 from .promotion import TensorPromotionMode, get_promotion_mode, promote_together
-from .rule_kit import grad_like, plain_gradient, shard_tensor_cls, to_layout, unshard_target, wrap
+from .rule_kit import (
+    grad_like,
+    grad_like_is_identity,
+    plain_gradient,
+    shard_tensor_cls,
+    to_layout,
+    unshard_target,
+    wrap,
+)
 
 __all__ = ["rowwise", "rowwise_all", "is_rowwise", "ACTIVATIONS"]
 
@@ -227,12 +235,13 @@ _CACHE_SIZE = 1024
 
 
 def _layouts(spec, out_features, dtype, feature):
-    """``(input layout computed in, output layout, whether the rows' mesh dims all have one rank)`` for an input
-    of layout ``spec``; PlacementError if a feature dim is sharded."""
+    """``(input layout computed in, output layout, whether the rows' mesh dims all have one rank, whether an input
+    gradient in the first layout is in the input's gradient layout already)`` for an input of layout ``spec``;
+    PlacementError if a feature dim is sharded."""
     key = (id(spec), out_features, dtype, feature)
     hit = _OUT.get(key)
     if hit is not None and hit[0] is spec:
-        return hit[1], hit[2], hit[3]
+        return hit[1], hit[2], hit[3], hit[4]
     ndim = len(spec.global_shape)
     for m, p in enumerate(spec.placements):
         if issubclass(type(p), Shard) and p.dim % max(ndim, 1) >= ndim - feature:
@@ -249,9 +258,9 @@ def _layouts(spec, out_features, dtype, feature):
     )
     if len(_OUT) >= _CACHE_SIZE:
         _OUT.clear()
-    alone = _alone(in_spec)
-    _OUT[key] = (spec, in_spec, out_spec, alone)
-    return in_spec, out_spec, alone
+    alone, same = _alone(in_spec), grad_like_is_identity(in_spec, spec)
+    _OUT[key] = (spec, in_spec, out_spec, alone, same)
+    return in_spec, out_spec, alone, same
 
 
 def _param_grad_spec(in_spec, view_spec):
@@ -278,8 +287,8 @@ class _Enter(SubclassFunction):
     """A ShardTensor -> its local rows in ``in_spec`` (a plain tensor torch's autograd records the layers on)."""
 
     @staticmethod
-    def forward(ctx, x, in_spec):
-        ctx.in_spec, ctx.spec = in_spec, x._spec
+    def forward(ctx, x, in_spec, same):
+        ctx.in_spec, ctx.spec, ctx.same = in_spec, x._spec, same
         ctx.set_materialize_grads(False)
         return to_layout(x, in_spec).detach()
 
@@ -287,8 +296,9 @@ class _Enter(SubclassFunction):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         if grad is None:
-            return None, None
-        return grad_like(wrap(grad, ctx.in_spec), ctx.spec), None
+            return None, None, None
+        result = wrap(grad, ctx.in_spec)
+        return (result if ctx.same else grad_like(result, ctx.spec)), None, None
 
 
 class _Leave(Function):
@@ -403,14 +413,14 @@ def _fused_forward(self, *args, **kwargs):
     if not shape:
         return type(self).forward(self, x)  # torch's own error
     out_features = next((step[2] for step in reversed(steps) if step[0] is _LINEAR), shape[-1])
-    in_spec, out_spec, alone = _layouts(spec, out_features, spec.tensor_meta.dtype, feature)
+    in_spec, out_spec, alone, same = _layouts(spec, out_features, spec.tensor_meta.dtype, feature)
     if not torch.is_grad_enabled() or not (grad or x.requires_grad):
         return wrap(_run(steps, to_layout(x, in_spec), [p.detach() for p in params]), out_spec)
     if alone and not (steps and steps[0][0] is _ACT and getattr(steps[0][1], "inplace", False)):
         # nothing to reduce: torch's autograd records the layers with the real parameters (an in-place activation
         # first would write through the entry node's output into the input's local tensor unseen by autograd: the
         # one-node path detaches a leaf there, whose in-place write torch refuses)
-        return _Leave.apply(_run(steps, _Enter.apply(x, in_spec), params), out_spec)
+        return _Leave.apply(_run(steps, _Enter.apply(x, in_spec, same), params), out_spec)
     views = promote_together(tuple(params), spec.mesh) if params else ()
     return _Fused.apply(steps, in_spec, out_spec, x, *views)
 

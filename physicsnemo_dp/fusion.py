@@ -11,12 +11,21 @@ local autograd inside, as :mod:`physicsnemo_dp.rules._local` does for one
 call), the output is wrapped once, and the parameters' gradients leave it as
 pending sums over the mesh dims that shard the rows, reduced once by the
 promotion step (per layer call, or per bucket with
-:func:`~physicsnemo_dp.bucket_gradients`). That replaces, per layer, the
-library's dispatch, autograd Function and wrap in forward and backward by one
-of each per module call (see docs/performance.md, "Row-local modules").
+:func:`~physicsnemo_dp.bucket_gradients`). Where every mesh dim that shards
+the rows has one rank (P = 1, or a one-rank "domain" under DDP) there is no
+sum to take: torch's autograd then records the layers on the local rows with
+the real parameters, between one entry node (ShardTensor -> local rows) and
+one exit node (local output -> ShardTensor), so the parameters' gradients
+accumulate natively (DDP's hooks fire on them as on any parameter's) and
+backward needs no nested engine call. That replaces, per layer, the library's
+dispatch, autograd Function and wrap in forward and backward by one of each
+per module call (see docs/performance.md, "Row-local modules").
 
 Nothing is taken on trust from names: the module tree is read on every call
-and only these exact classes (not subclasses, which may override
+(no memo is sound: a layer replaced in place, a new parameter, a hook, a
+training flag or a class change all leave the containers' identities and
+lengths as they were; the walk costs ~2 us for a four-layer MLP) and only
+these exact classes (not subclasses, which may override
 ``forward``) are fused: ``nn.Sequential`` (or a subclass that keeps
 ``Sequential.forward``), ``nn.Linear``, ``nn.LayerNorm``, ``nn.Identity``,
 ``nn.Dropout`` and the elementwise activations of :data:`ACTIVATIONS`. A
@@ -45,6 +54,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ._torch_compat import (
+    Function,
     SubclassFunction,
     any_autocast_enabled,
     dispatch_mode_active,
@@ -56,7 +66,15 @@ from ._torch_compat import (
 )
 from .errors import PlacementError
 from .promotion import TensorPromotionMode, get_promotion_mode, promote_together
-from .rule_kit import grad_like, plain_gradient, shard_tensor_cls, to_layout, unshard_target, wrap
+from .rule_kit import (
+    grad_like,
+    grad_like_is_identity,
+    plain_gradient,
+    shard_tensor_cls,
+    to_layout,
+    unshard_target,
+    wrap,
+)
 
 __all__ = ["rowwise", "rowwise_all", "is_rowwise", "ACTIVATIONS"]
 
@@ -100,42 +118,57 @@ class _General(Exception):
 def _steps(module, path, steps, params, top) -> int:
     """Append ``module``'s layers to ``steps`` and their parameters to ``params``; the trailing dims LayerNorms
     normalize (at least 1: Linear reads the last). Raises TypeError for what is not row-local, _General for what
-    is but cannot be fused now."""
+    is but cannot be fused now. ``path`` (the module's qualified name, for the error) is None on the first
+    reading: :func:`_read` reads again with names only to raise (building every name costs ~1 us a module)."""
     kind = type(module)
     if not top and module_hooks(module):
         raise _General
-    if next(iter(module._buffers.values()), None) is not None:
+    if module._buffers and next(iter(module._buffers.values()), None) is not None:
+        if path is None:
+            raise _Named
         raise TypeError(
             f"rowwise: {path or 'the module'} ({kind.__name__}) holds buffers; a module whose state changes "
             "as it runs (batch statistics, counters) is not row-local: leave it out of rowwise()"
         )
+    if kind is nn.Linear:
+        own = module._parameters
+        w, b = (own["weight"], own["bias"]) if "weight" in own and "bias" in own else (module.weight, module.bias)
+        params.append(w)
+        if b is None:
+            steps.append((_LINEAR, 1, module.out_features))
+        else:
+            params.append(b)
+            steps.append((_LINEAR, 2, module.out_features))
+        return 1
+    if kind in ACTIVATIONS:
+        steps.append((_ACT, module))
+        return 1
+    if kind is nn.LayerNorm:
+        own = module._parameters
+        w, b = (own["weight"], own["bias"]) if "weight" in own and "bias" in own else (module.weight, module.bias)
+        if w is not None:
+            params.append(w)
+        if b is not None:
+            params.append(b)
+        steps.append((_NORM, module.normalized_shape, module.eps, w is not None, b is not None))
+        return len(module.normalized_shape)
     if isinstance(module, nn.Sequential) and kind.forward is nn.Sequential.forward:
         feature = 1
         for name, child in module._modules.items():
             if child is not None:
-                feature = max(feature, _steps(child, f"{path}.{name}" if path else name, steps, params, False))
+                inner = None if path is None else f"{path}.{name}" if path else name
+                f = _steps(child, inner, steps, params, False)
+                if f > feature:
+                    feature = f
         return feature
-    if kind is nn.Linear:
-        steps.append((_LINEAR, module))
-        params.append(module.weight)
-        if module.bias is not None:
-            params.append(module.bias)
-        return 1
-    if kind is nn.LayerNorm:
-        steps.append((_NORM, module))
-        for p in (module.weight, module.bias):
-            if p is not None:
-                params.append(p)
-        return len(module.normalized_shape)
-    if kind in ACTIVATIONS:
-        steps.append((_ACT, module))
-        return 1
     if kind is nn.Identity:
         return 1
     if kind is nn.Dropout:
         if module.training and module.p > 0:
             raise _General  # the library's dropout rule draws the mask from global indices
         return 1
+    if path is None:
+        raise _Named
     why = "its forward is not known to be row-local"
     if isinstance(module, _STATISTICS):
         why = "its statistics are taken over rows"
@@ -148,32 +181,47 @@ def _steps(module, path, steps, params, top) -> int:
     )
 
 
+class _Named(Exception):
+    """A module is refused: :func:`_read` reads the tree again with qualified names, for the TypeError."""
+
+
 def _read(module):
-    """``(steps, params, feature dims)`` of ``module`` (raises TypeError / _General, see :func:`_steps`)."""
+    """``(steps, params, feature dims)`` of ``module`` (raises TypeError / _General, see :func:`_steps`).
+
+    The tree is read on every call (nothing cheaper is sound: a layer replaced in
+    place, ``lin.weight = Parameter(...)``, a hook, ``.train()`` or a class
+    change all leave the containers' identities and lengths as they were)."""
     steps, params = [], []
-    feature = _steps(module, "", steps, params, True)
+    try:
+        feature = _steps(module, None, steps, params, True)
+    except _Named:
+        _steps(module, "", [], [], True)  # raises the TypeError naming the module
+        raise AssertionError("unreachable") from None
     return steps, params, feature
 
 
 def _run(steps, h, params):
     """The layers on plain tensors: ``h`` the local rows, ``params`` in the order :func:`_steps` listed them."""
     k = 0
-    for kind, m in steps:
+    for step in steps:
+        kind = step[0]
         if kind is _LINEAR:
-            if m.bias is not None:
+            if step[1] == 2:
                 h = F.linear(h, params[k], params[k + 1])
                 k += 2
             else:
                 h = F.linear(h, params[k])
                 k += 1
         elif kind is _NORM:
+            _, shape, eps, has_w, has_b = step
             w = b = None
-            if m.weight is not None:
+            if has_w:
                 w, k = params[k], k + 1
-            if m.bias is not None:
+            if has_b:
                 b, k = params[k], k + 1
-            h = F.layer_norm(h, m.normalized_shape, w, b, m.eps)
+            h = F.layer_norm(h, shape, w, b, eps)
         else:
+            m = step[1]
             h = type(m).forward(m, h)
     return h
 
@@ -187,12 +235,13 @@ _CACHE_SIZE = 1024
 
 
 def _layouts(spec, out_features, dtype, feature):
-    """``(input layout computed in, output layout)`` for an input of layout ``spec``; PlacementError if a feature
-    dim is sharded."""
+    """``(input layout computed in, output layout, whether the rows' mesh dims all have one rank, whether an input
+    gradient in the first layout is in the input's gradient layout already)`` for an input of layout ``spec``;
+    PlacementError if a feature dim is sharded."""
     key = (id(spec), out_features, dtype, feature)
     hit = _OUT.get(key)
     if hit is not None and hit[0] is spec:
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3], hit[4]
     ndim = len(spec.global_shape)
     for m, p in enumerate(spec.placements):
         if issubclass(type(p), Shard) and p.dim % max(ndim, 1) >= ndim - feature:
@@ -209,8 +258,9 @@ def _layouts(spec, out_features, dtype, feature):
     )
     if len(_OUT) >= _CACHE_SIZE:
         _OUT.clear()
-    _OUT[key] = (spec, in_spec, out_spec)
-    return in_spec, out_spec
+    alone, same = _alone(in_spec), grad_like_is_identity(in_spec, spec)
+    _OUT[key] = (spec, in_spec, out_spec, alone, same)
+    return in_spec, out_spec, alone, same
 
 
 def _param_grad_spec(in_spec, view_spec):
@@ -231,6 +281,53 @@ def _param_grad_spec(in_spec, view_spec):
         _GRAD.clear()
     _GRAD[key] = (in_spec, view_spec, spec)
     return spec
+
+
+class _Enter(SubclassFunction):
+    """A ShardTensor -> its local rows in ``in_spec`` (a plain tensor torch's autograd records the layers on)."""
+
+    @staticmethod
+    def forward(ctx, x, in_spec, same):
+        ctx.in_spec, ctx.spec, ctx.same = in_spec, x._spec, same
+        ctx.set_materialize_grads(False)
+        return to_layout(x, in_spec).detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        result = wrap(grad, ctx.in_spec)
+        return (result if ctx.same else grad_like(result, ctx.spec)), None, None
+
+
+class _Leave(Function):
+    """The local rows of the module's output -> a ShardTensor of layout ``out_spec``."""
+
+    @staticmethod
+    def forward(ctx, out, out_spec):
+        ctx.out_spec = out_spec
+        ctx.set_materialize_grads(False)
+        return wrap(out.detach(), out_spec)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None
+        if type(grad) is shard_tensor_cls():
+            return to_layout(grad, ctx.out_spec), None
+        return to_layout(plain_gradient(grad, ctx.out_spec), ctx.out_spec), None
+
+
+def _alone(spec) -> bool:
+    """Whether every mesh dim that shards the rows of ``spec`` has one rank: the parameters' gradients are then
+    whole where they are computed (no pending sum for promotion to reduce)."""
+    mesh = spec.mesh
+    for m, p in enumerate(spec.placements):
+        if not issubclass(type(p), Replicate) and mesh.size(m) > 1:
+            return False
+    return True
 
 
 class _Fused(SubclassFunction):
@@ -303,18 +400,27 @@ def _fused_forward(self, *args, **kwargs):
         or dispatch_mode_active()
         or functorch_transforms_active()
         or get_promotion_mode() is not TensorPromotionMode.SILENT
-        or any(type(p) not in (torch.Tensor, nn.Parameter) for p in params)
     ):
         return type(self).forward(self, x)
+    grad = False
+    for p in params:
+        kind = type(p)
+        if kind is not nn.Parameter and kind is not torch.Tensor:
+            return type(self).forward(self, x)
+        grad = grad or p.requires_grad
     spec = x._spec
     shape = spec.global_shape
     if not shape:
         return type(self).forward(self, x)  # torch's own error
-    out_features = next((m.out_features for kind, m in reversed(steps) if kind is _LINEAR), shape[-1])
-    in_spec, out_spec = _layouts(spec, out_features, spec.tensor_meta.dtype, feature)
-    grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-    if not grad:
+    out_features = next((step[2] for step in reversed(steps) if step[0] is _LINEAR), shape[-1])
+    in_spec, out_spec, alone, same = _layouts(spec, out_features, spec.tensor_meta.dtype, feature)
+    if not torch.is_grad_enabled() or not (grad or x.requires_grad):
         return wrap(_run(steps, to_layout(x, in_spec), [p.detach() for p in params]), out_spec)
+    if alone and not (steps and steps[0][0] is _ACT and getattr(steps[0][1], "inplace", False)):
+        # nothing to reduce: torch's autograd records the layers with the real parameters (an in-place activation
+        # first would write through the entry node's output into the input's local tensor unseen by autograd: the
+        # one-node path detaches a leaf there, whose in-place write torch refuses)
+        return _Leave.apply(_run(steps, _Enter.apply(x, in_spec, same), params), out_spec)
     views = promote_together(tuple(params), spec.mesh) if params else ()
     return _Fused.apply(steps, in_spec, out_spec, x, *views)
 
@@ -329,7 +435,8 @@ def rowwise(module: nn.Module) -> nn.Module:
     gradients are those of the unfused module (the same local ops, so at one
     rank the same bits as plain torch); the parameters' gradients are summed
     over the ranks that share the rows' sharding once per call, or per bucket
-    with :func:`~physicsnemo_dp.bucket_gradients`. Plain-tensor calls, and
+    with :func:`~physicsnemo_dp.bucket_gradients` (where those mesh dims have
+    one rank each, torch's autograd accumulates them directly). Plain-tensor calls, and
     the cases listed in :mod:`physicsnemo_dp.fusion`, run the module's own
     forward. The module's state dict, parameters and class are unchanged (the
     fused forward is an instance attribute: ``del module.forward`` undoes it;

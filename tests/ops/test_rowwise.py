@@ -41,7 +41,18 @@ def _mlp(c_in=6, hidden=5, c_out=4, dtype=torch.float64):
 
 
 def _fused(out) -> bool:
-    return out.grad_fn is not None and type(out.grad_fn).__name__ == "_FusedBackward"
+    """Whether ``out`` came from a fused call: one node over the local layers, or (rows on one-rank mesh dims only)
+    the layers recorded by torch's autograd on the local rows between one entry and one exit node."""
+    return out.grad_fn is not None and type(out.grad_fn).__name__ in ("_FusedBackward", "_LeaveBackward")
+
+
+def _native(out) -> bool:
+    return type(out.grad_fn).__name__ == "_LeaveBackward"
+
+
+def _rows_alone(mesh, placements) -> bool:
+    """Whether every mesh dim sharding the rows has one rank (the native path's condition)."""
+    return all(mesh.size(m) == 1 for m, p in enumerate(placements) if isinstance(p, Shard))
 
 
 def _layouts(mesh):
@@ -72,6 +83,7 @@ def test_rowwise_matches_one_process(ctx):
             finally:
                 clear_gradient_buckets()
             assert isinstance(out, ShardTensor) and _fused(out), (placements, out.grad_fn)
+            assert _native(out) == _rows_alone(ctx.mesh, placements), (placements, out.grad_fn)
             assert out.placements == tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
@@ -92,13 +104,16 @@ def test_rowwise_one_rank_same_bits_as_plain_torch(ctx):
     expected = reference(ref_x)
     sharded = ShardTensor.from_local(x.clone(), ctx.mesh, [Shard(0)]).requires_grad_()
     out = module(sharded)
-    assert _fused(out) and torch.equal(out.to_local(), expected)
+    assert _native(out) and torch.equal(out.to_local(), expected)
     g = torch.randn(33, 4)
     expected.backward(g)
     out.backward(ShardTensor.from_local(g.clone(), ctx.mesh, [Shard(0)]))
     assert torch.equal(sharded.grad.to_local(), ref_x.grad)
     for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+    first_inplace = rowwise(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 4)))  # not through the entry node
+    fresh = ShardTensor.from_local(x.clone(), ctx.mesh, [Shard(0)])  # the ReLU writes into it, as in plain torch
+    assert type(first_inplace(fresh).grad_fn).__name__ == "_FusedBackward"
     with torch.no_grad():  # inference: no node at all, the same values
         assert torch.equal(module(sharded).to_local(), reference(x))
     assert torch.equal(module(x), reference(x))  # a plain input runs the module's own forward
@@ -220,19 +235,22 @@ def test_rowwise_trains_under_ddp_and_domain(ctx):
 
     from ..distributed._models import assert_close_states, device_mesh, full_state, local_input, sample_batch, train
 
-    shape = (2, 2) if ctx.mesh.ndim == 2 else (1, ctx.world_size)
-    context = MeshContext.from_mesh(device_mesh(ctx.device.type, *shape), strategy=DDPConfig())
     batches = [sample_batch(seed=s) for s in range(2)]
     torch.manual_seed(0)
     reference = _RowwiseNet()
     train(reference, batches)
-    torch.manual_seed(0)
-    try:
-        model = parallelize_model(rowwise(_RowwiseNet().to(ctx.device)), context)
-        assert isinstance(model, DistributedDataParallel) == (shape[0] == 2)  # DDP only over more than one rank
-        train(model, [local_input(b, context, salt=0) for b in batches])
-        inner = model.module if isinstance(model, DistributedDataParallel) else model
-        assert _fused(inner(local_input(batches[0], context)))
-    finally:
-        clear_gradient_buckets()
-    assert_close_states(full_state(model), full_state(reference), atol=1e-5, rtol=1e-5)
+    # tokens over "domain"; at 4 ranks also all on "ddp" (the batch of 4 split evenly) and a one-rank "domain": the
+    # layers recorded by torch's own autograd on the real parameters (nothing for promotion to sum), DDP's hooks
+    for shape in ((2, 2), (4, 1)) if ctx.mesh.ndim == 2 else ((1, ctx.world_size),):
+        context = MeshContext.from_mesh(device_mesh(ctx.device.type, *shape), strategy=DDPConfig())
+        torch.manual_seed(0)
+        try:
+            model = parallelize_model(rowwise(_RowwiseNet().to(ctx.device)), context)
+            assert isinstance(model, DistributedDataParallel) == (shape[0] > 1)  # DDP only over more than one rank
+            train(model, [local_input(b, context, salt=0) for b in batches])
+            inner = model.module if isinstance(model, DistributedDataParallel) else model
+            out = inner(local_input(batches[0], context))
+            assert _fused(out) and _native(out) == (shape[1] == 1), (shape, out.grad_fn)
+        finally:
+            clear_gradient_buckets()
+        assert_close_states(full_state(model), full_state(reference), atol=1e-5, rtol=1e-5)

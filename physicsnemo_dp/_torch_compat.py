@@ -838,3 +838,19 @@ any_autocast_enabled = torch._C._is_any_autocast_enabled
 def functorch_transforms_active() -> bool:
     """Whether a torch.func transform (vmap, grad, jvp) is active around this call."""
     return torch._C._are_functorch_transforms_active()
+
+
+def plain_eager() -> bool:
+    """Whether this call runs as plain eager code: not traced by torch.compile (no Dynamo frame hook),
+    no dispatch mode and no torch.func transform active.
+
+    Where a fast path may run local kernels inside its own autograd node, skipping the dispatcher:
+    everything that must see each ShardTensor op (a tracer, ``debug.explain``'s mode, a transform)
+    then gets the general path.
+    """
+    return not (
+        torch.compiler.is_compiling()
+        or eval_frame_callback() is not None
+        or dispatch_mode_active()
+        or functorch_transforms_active()
+    )

@@ -13,7 +13,7 @@ import torch
 
 from .._torch_compat import Function, fused_cpu_attention, fused_cpu_attention_backward, non_differentiable
 from ..rule_kit import wrap
-from ._blocks import _fused, _kernel_memory, _kernel_parts, compute_dtype
+from ._blocks import _kernel_memory, compute_dtype, one_call
 from ._common import grouped, local_grad, ungrouped_grads
 from ._propagate import AttentionPlan
 from .local import kv_sharded_backward, kv_sharded_forward, local_backward, local_forward
@@ -74,21 +74,13 @@ def _whole_call(q, k, v, mask, ap: AttentionPlan):
         or not (kind == "local" or (kind == "ring" and ap.schedule.size == 1))
     ):
         return None
-    tiles = ap.schedule.blocks[0].tiles
-    if len(tiles) != 1:
-        return None
     ql, kl, vl = q._local_tensor, k._local_tensor, v._local_tensor
-    if ql.ndim != 4 or not _fused(ql, vl, None) or not (ql.dtype == kl.dtype == vl.dtype == compute_dtype(ql.dtype)):
+    if ql.ndim != 4 or not (ql.dtype == kl.dtype == vl.dtype == compute_dtype(ql.dtype)):
         return None
     if not (ql.shape[:-2] == kl.shape[:-2] == vl.shape[:-2]):
         return None
-    parts = _kernel_parts(tiles[0])
-    if len(parts) != 1:
-        return None
-    part, causal = parts[0]
-    if (part.q_start, part.q_len, part.k_start, part.k_len) != (0, ql.shape[-2], 0, kl.shape[-2]):
-        return None
-    return causal
+    call = one_call(ql, kl, vl, None, ap.schedule.blocks[0].tiles)
+    return None if call is None else call[1]
 
 
 class WholeAttention(Function):

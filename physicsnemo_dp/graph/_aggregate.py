@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .._torch_compat import SubclassFunction, dispatch_mode_active, eval_frame_callback, functorch_transforms_active
+from .._torch_compat import SubclassFunction, plain_eager
 from ..rule_kit import normalize_dim, plain_gradient, resolve_partial, shard_tensor_cls, wrap
 from ._graph import GraphIndex, graph_of
 from ._requests import table
@@ -128,8 +128,7 @@ def index_add_local(x, dim, index, source):
         return None
     if xs is not graph.node_spec(shape, dtype) or ss is not graph.edge_spec(ss.global_shape, dtype):
         return None
-    if torch.compiler.is_compiling() or eval_frame_callback() is not None or dispatch_mode_active() \
-            or functorch_transforms_active():  # fmt: skip
+    if not plain_eager():
         return None
     if not torch.is_grad_enabled() or not (x.requires_grad or source.requires_grad):
         return _local_index_add(gi, x, source)

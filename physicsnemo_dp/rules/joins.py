@@ -59,13 +59,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .. import _intervals, _layout, collectives
 from .._redistribute import redistribute_local
 from .._reshape import nested_chunks
-from .._torch_compat import (
-    SubclassFunction,
-    dispatch_mode_active,
-    eval_frame_callback,
-    functorch_transforms_active,
-    torch_function_disabled,
-)
+from .._torch_compat import SubclassFunction, plain_eager, torch_function_disabled
 from ..propagation import OpPlan, cached, collective_step, freeze, moves, redistribution_steps, replicated
 from ..rule_kit import normalize_dim, plain_gradient, shard_tensor_cls, unshard_target, wrap
 from ..spec import ShardTensorSpec
@@ -517,8 +511,7 @@ def cat_same_layout(tensors, dim):
     plan = _same_cat_plan(specs, dim + ndim if dim < 0 else dim)
     if plan is None:
         return None
-    if torch.compiler.is_compiling() or eval_frame_callback() is not None or dispatch_mode_active() \
-            or functorch_transforms_active():  # fmt: skip
+    if not plain_eager():
         return None
     out_spec, sizes = plan
     d = dim + ndim if dim < 0 else dim

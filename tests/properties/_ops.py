@@ -7,7 +7,7 @@ Ranks import this module to look an op up by name; only the test process draws.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -207,6 +207,22 @@ def _cat_pair(stack: bool):
     return draw_case
 
 
+def _same_layout_cat(draw, mesh_shape):
+    """Two operands of one layout (placements and shard sizes), each with its own memory layout, joined along
+    a dim neither shards: the local join of ``rules/joins.cat_same_layout``; a dim sharded everywhere: the
+    general rule."""
+    shape = draw(dims(min_ndim=1))
+    first = draw_input(draw, shape, mesh_shape)
+    free = [d for d, sizes in enumerate(first.dim_sizes) if sizes is None]
+    d = draw(st.sampled_from(free or list(range(len(shape)))))
+    other = list(shape)
+    other[d] = draw(st.integers(0, 4))
+    second = draw_input(draw, other, mesh_shape)
+    if free:
+        second = replace(second, placements=first.placements, dim_sizes=first.dim_sizes)
+    return [first, second], {"dim": d - len(shape) if draw(st.booleans()) else d}
+
+
 def _narrow_args(draw, shape):
     d = draw(st.integers(0, len(shape) - 1))
     start = draw(st.integers(0, shape[d]))
@@ -221,6 +237,9 @@ def _select_args(draw, shape):
 def _nonempty_shape():
     return dims(min_ndim=1, min_extent=1)
 
+
+#: Drawn on its own (tests/properties/test_joins.py): the function-level fast path of same-layout operands.
+SAME_LAYOUT_CAT = {"cat_same_layout": Op(lambda x, y, dim: torch.cat([x, y], dim), _same_layout_cat, ANY)}
 
 JOINS = {
     "cat": Op(lambda x, y, dim: torch.cat([x, y], dim), _cat_pair(stack=False), ANY),
@@ -519,7 +538,7 @@ GLOO_DTYPES = {
     "view_int16": Op(lambda x: x.view(torch.int16), _unary(), ("bfloat16",), grad=False),
 }
 
-_TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, MATMUL, DIM_OPS,
+_TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, SAME_LAYOUT_CAT, MATMUL, DIM_OPS,
            INDEXING, TENSOR_LIKE, KNOWN_TENSOR_LIKE, SPATIAL, ATTENTION, LAYOUTS, GLOO_DTYPES)
 #: Every op by name: ranks look a case's op up here.
 OPS = {name: op for table in _TABLES for name, op in table.items()}

@@ -17,13 +17,22 @@ ranks, dim names, device type *and process groups*; specs are built on that
 object (:meth:`ShardTensorSpec.from_sizes`) and compare by its identity, so
 equal meshes over the same groups share plans and views, and a mesh over other
 groups never receives theirs.
+
+A canonical mesh whose groups were destroyed (``destroy_process_group``) is
+replaced by the next equal mesh, whose groups are live, and lets the destroyed
+groups go; at interpreter exit the canonical meshes drop the destroyed groups
+they still hold, so the groups' worker threads stop before Python shuts down.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import weakref
 
 from torch.distributed.device_mesh import DeviceMesh
+
+from . import _torch_compat
 
 __all__ = ["canonical", "forget"]
 
@@ -38,7 +47,12 @@ def canonical(mesh: DeviceMesh) -> DeviceMesh:
     seen = _SEEN.get(id(mesh))
     if seen is not None and seen[0]() is mesh:
         return seen[1]
-    found = _CANONICAL.setdefault((mesh, _groups(mesh)), mesh)
+    key = (mesh, _groups(mesh))
+    found = _CANONICAL.get(key)
+    if found is None or (found is not mesh and _torch_compat.holds_destroyed_groups(found)):
+        if found is not None:
+            _torch_compat.release_destroyed_groups(found)
+        _CANONICAL[key] = found = mesh
     _SEEN[id(mesh)] = (weakref.ref(mesh, lambda ref, key=id(mesh), seen=_SEEN: _drop(seen, key, ref)), found)
     return found
 
@@ -47,6 +61,18 @@ def forget() -> None:
     """Forget every canonical mesh (the simulator does, between the ranks it plays in one process)."""
     _CANONICAL.clear()
     _SEEN.clear()
+
+
+@atexit.register
+def _release_destroyed_groups() -> None:
+    """At exit, let destroyed process groups go while Python is still whole (see the module doc).
+
+    Garbage cycles can hold a group too (a model's wrappers keep their groups);
+    they are collected here, once, when the script had destroyed its groups.
+    """
+    released = [_torch_compat.release_destroyed_groups(mesh) for mesh in list(_CANONICAL.values())]
+    if any(released):
+        gc.collect()
 
 
 def _drop(seen: dict, key: int, ref) -> None:

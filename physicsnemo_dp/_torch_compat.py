@@ -681,6 +681,39 @@ def default_store():
     return c10d._get_default_store()
 
 
+def _destroyed_groups(mesh) -> dict:
+    """The entries of ``mesh``'s process-group registry whose groups ``destroy_process_group`` destroyed.
+
+    A ``DeviceMesh`` keeps its groups' objects in its root mesh's
+    ``_pg_registry`` (for tracing), so a mesh that outlives the groups keeps
+    them, and their backend's worker threads, alive.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    registry = getattr(mesh._get_root_mesh(), "_pg_registry", None) or {}
+    live = c10d._world.pg_names
+    return {name: group for name, group in registry.items() if group not in live}
+
+
+def holds_destroyed_groups(mesh) -> bool:
+    """Whether ``mesh`` was built over process groups that have since been destroyed."""
+    return bool(_destroyed_groups(mesh))
+
+
+def release_destroyed_groups(mesh) -> bool:
+    """Drop ``mesh``'s references to destroyed process groups, so they are freed now.
+
+    Why: a group freed during interpreter shutdown joins its gloo worker
+    threads while Python is being torn down, which can abort the process
+    ("terminate called without an active exception") after a clean run.
+    Groups still registered are left alone. Returns whether any was dropped.
+    """
+    destroyed = _destroyed_groups(mesh)
+    for name in destroyed:
+        del mesh._get_root_mesh()._pg_registry[name]
+    return bool(destroyed)
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int):
     """A default process group of ``world_size`` ranks that moves no data, seen as ``rank``.

@@ -48,7 +48,11 @@ leading dims folded inside ATen), ~0.9 to run the plan around it; wrapping
 1.5. The floor of a Python subclass, with no sharding logic at all, is
 0.90-1.05 of DTensor's ``x @ w`` for either design (a Python Function, or
 autograd's own node on the wrappers and a Python dispatch): see
-:mod:`.dispatch_floor`.
+:mod:`.dispatch_floor`. ``x @ w`` now ~13.5 us (1.11-1.16x DTensor, from
+~17.5): the operator enters ``ShardTensor.__matmul__`` (no hook entry, ~1.7
+us), the Function's C++ ``apply`` is called directly (~0.8), its context is one
+attribute (~0.3), the plan calls ``mm`` on the local tensors directly (~0.8)
+and the wrap passes torch's constructor positional arguments (~0.4).
 """
 
 from __future__ import annotations
@@ -87,8 +91,8 @@ OPS = {
 #: Simulated world sizes of the scaling case (one rank of each, in a fresh process).
 SCALING_WORLDS = (4, 4096)
 
-#: Per-op targets of ShardTensor even / DTensor where they differ from 1.0: ``x @ w`` with a plain weight
-#: (promoted on every call; DTensor's weight is distributed once and its ``mm`` is one C++ dispatch), issue 30.
+#: Per-op targets of ShardTensor (even and uneven) / DTensor where they differ from 1.0: ``x @ w`` with a plain
+#: weight (promoted on every call; DTensor's weight is distributed once and its ``mm`` is one C++ dispatch), issue 30.
 OP_TARGETS = {"x @ w": 1.25}
 
 #: MeshGraphNet at P = 1 (issue 30): nodes -> target of plain torch's step time / ShardTensor's (>=).
@@ -137,7 +141,7 @@ def run(mesh, rows: int, cols: int, calls: int, repeats: int, graph_nodes=(), co
             Result(SUITE, f"{name}: ShardTensor even / DTensor", P, t["ShardTensor even"], t["DTensor"], "s",
                    ("<=", OP_TARGETS.get(name, 1.0))),
             Result(SUITE, f"{name}: ShardTensor uneven / DTensor even", P, t["ShardTensor uneven"], t["DTensor"], "s",
-                   ("<=", 1.0)),
+                   ("<=", OP_TARGETS.get(name, 1.0))),
             Result(SUITE, f"{name}: DTensor / plain torch", P, t["DTensor"], t["plain"], "s"),
             Result(SUITE, f"{name}: ShardTensor even / plain torch", P, t["ShardTensor even"], t["plain"], "s"),
         ]  # fmt: skip

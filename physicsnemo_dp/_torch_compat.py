@@ -66,6 +66,10 @@ __all__ = [
     "subclass_torch_function_disabled",
     "dispatch_mode_active",
     "SubclassFunction",
+    "direct_apply",
+    "WRAPPER_ARGS",
+    "torch_function_enabled",
+    "torch_function_mode_active",
     "collective_output_kernels",
 ]
 
@@ -798,9 +802,51 @@ class SubclassFunction(Function):
         return super(torch.autograd.Function, cls).apply(*args)
 
 
+def direct_apply(cls, nargs: int):
+    """autograd's C++ ``apply`` of the :class:`SubclassFunction` ``cls``, bound once, for a hot path.
+
+    What :meth:`SubclassFunction.apply` calls when no torch.func transform is active and the call's
+    positional arguments bind to ``forward`` as they are; the caller checks the first
+    (:func:`functorch_transforms_active`) on every call, and this checks the second for ``nargs``
+    arguments once, here (it raises otherwise).
+    """
+    if not (issubclass(cls, SubclassFunction) and _binds_to_itself(cls, nargs)):
+        raise TypeError(f"direct_apply: {cls.__name__}.forward must bind {nargs} positional arguments as they are")
+    return super(torch.autograd.Function, cls).apply
+
+
+#: Whether subclasses' ``__torch_function__`` runs (no DisableTorchFunction[Subclass] around the call), and
+#: whether a TorchFunctionMode is active: what decides whether torch's hook would reach ShardTensor's first.
+torch_function_enabled = torch._C._is_torch_function_enabled
+torch_function_mode_active = torch._C._is_torch_function_mode_enabled
+
+
 #: ``torch.Tensor._make_wrapper_subclass`` itself (what :func:`make_wrapper_subclass` calls), for the
-#: constructor every op result goes through: one Python frame less per op.
+#: constructor every op result goes through: one Python frame less per op. Called with positional
+#: arguments, in the order of :data:`WRAPPER_ARGS` (checked here, at import).
 make_wrapper_subclass_raw = torch.Tensor._make_wrapper_subclass
+WRAPPER_ARGS = ("size", "strides", "storage_offset", "memory_format", "dtype", "layout", "device", "pin_memory",
+                "requires_grad")  # fmt: skip
+
+
+def _check_wrapper_args() -> None:
+    """``_make_wrapper_subclass``'s positional order is :data:`WRAPPER_ARGS` (a torch release may change it)."""
+
+    class _Probe(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # pragma: no cover - never dispatched
+            raise NotImplementedError
+
+    probe = make_wrapper_subclass_raw(
+        _Probe, (2, 3), (1, 2), None, None, torch.float16, torch.strided, torch.device("meta"), False, True
+    )
+    with torch_function_disabled():
+        got = (probe.shape, probe.stride(), probe.dtype, probe.device.type, probe.requires_grad)
+    if got != ((2, 3), (1, 2), torch.float16, "meta", True):
+        raise ImportError(f"torch.Tensor._make_wrapper_subclass no longer takes {WRAPPER_ARGS} positionally")
+
+
+_check_wrapper_args()
 
 
 def collective_output_kernels() -> dict:
@@ -868,9 +914,8 @@ def global_module_hooks() -> bool:
 any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
-def functorch_transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp) is active around this call."""
-    return torch._C._are_functorch_transforms_active()
+#: Whether a torch.func transform (vmap, grad, jvp) is active around this call (one C call: hot paths read it).
+functorch_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def plain_eager() -> bool:

@@ -24,14 +24,21 @@ Order for every call that involves a ShardTensor:
 
 from __future__ import annotations
 
-from .._torch_compat import OpOverload, any_autocast_enabled as _any_autocast_enabled, torch_function_disabled
+from .._torch_compat import (
+    OpOverload,
+    any_autocast_enabled as _any_autocast_enabled,
+    eval_frame_callback,
+    torch_function_disabled,
+    torch_function_enabled,
+    torch_function_mode_active,
+)
 from ..promotion import promote_args
 from . import registry, table
 from .autocast import autocast_call
 from .autograd_entry import AUTOGRAD_ENTRIES
 from .registry import function_handlers, named_function_handlers
 
-__all__ = ["handle_torch_function", "set_patches_enabled", "patches_enabled"]
+__all__ = ["handle_torch_function", "operator_call", "set_patches_enabled", "patches_enabled"]
 
 _PATCHES = {"enabled": False}
 
@@ -106,3 +113,29 @@ def handle_torch_function(func, types, args=(), kwargs=None):
         return handler(func, types, args, kwargs)
     with torch_function_disabled():
         return func(*args, **kwargs)
+
+
+def operator_call(func, types, args):
+    """``func(*args)`` for a Python operator of ShardTensor (``ShardTensor.__matmul__``), its fast path first.
+
+    Torch's hook costs ~2 us before ``__torch_function__`` is entered (argument parsing, the overloaded
+    arguments' types); an operator method defined on the class is entered directly. It offers the call to
+    the route's ``before_promotion`` (step 0 above) exactly where torch's hook would have entered
+    :func:`handle_torch_function` with it: subclass torch-function enabled, no TorchFunctionMode (it sees
+    every call first), no Dynamo frame hook (the hook's compile-disabled entry serves those), handlers on.
+    Everything else, and every call the fast path declines, goes to ``func`` itself: torch's hook, as
+    without the method. torch.compile traces the method and finds ``torch.compiler.is_compiling()`` true,
+    so its graphs hold ``func`` as before (the caller checks that first, see ``ShardTensor.__matmul__``).
+    """
+    if (
+        torch_function_enabled()
+        and eval_frame_callback() is None
+        and _PATCHES["enabled"]
+        and not torch_function_mode_active()
+    ):
+        early = getattr(_route(func), "before_promotion", None)
+        if early is not None:
+            out = early(func, types, args, None)
+            if out is not NotImplemented:
+                return out
+    return func(*args)

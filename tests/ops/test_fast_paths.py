@@ -179,6 +179,31 @@ def _general_path_only():
     return off()
 
 
+def _program_only():
+    """Context in which contractions run their local program, never the plain kernel directly (``Prepared.direct``)."""
+    import contextlib
+
+    from physicsnemo_dp.rules.matmul import contract
+
+    def clear():
+        contract.propagate.cache_clear()
+        for cache in (contract._PAIRS, contract._GRADS, __import__("physicsnemo_dp.rules.matmul").rules.matmul._FAST):
+            cache.clear()
+
+    @contextlib.contextmanager
+    def off():
+        direct_kernel = contract.direct_kernel
+        contract.direct_kernel = lambda program: None
+        clear()
+        try:
+            yield
+        finally:
+            contract.direct_kernel = direct_kernel
+            clear()
+
+    return off()
+
+
 @distributed(world_sizes=(1, 3), mesh_2d=True)
 def test_contraction_fast_path_is_taken_and_bitwise_the_general_path(ctx):
     """A ShardTensor times a plain weight skips the general path; values and every gradient are bitwise those of
@@ -199,8 +224,11 @@ def test_contraction_fast_path_is_taken_and_bitwise_the_general_path(ctx):
         with _general_path_only():
             slow, general_calls = _contraction_step(ctx, name, G, W, B, placements)
         assert general_calls == 1, name
-        for a, b, r in zip(fast, slow, ref):
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+        with _program_only():  # the plain kernel called directly (mm, linear) gives the local program's bits
+            program, _ = _contraction_step(ctx, name, G, W, B, placements)
+        for a, b, c, r in zip(fast, slow, program, ref):
+            assert (a is None) == (b is None) == (c is None), name
+            assert a is None or (torch.equal(a, b) and torch.equal(a, c)), name
             if r is not None:
                 torch.testing.assert_close(a, r)
     # gradient buckets: the bucket's node reduces the weight's gradient, as on the general path
@@ -272,6 +300,75 @@ def test_contraction_fast_path_steps_aside(ctx):
         torch.testing.assert_close(y.full_tensor(), G @ W)
     finally:
         tf.promote_args = promote_args
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_matmul_operator_skips_the_hook_and_steps_aside(ctx):
+    """``x @ w`` enters ``ShardTensor.__matmul__``, which offers the call to the fast path without torch's hook
+    (no ``__torch_function__`` entry), with the hook's own values and gradients bit for bit; a
+    TorchFunctionMode still sees the call, disabled subclass torch-function still reaches the dispatcher, and
+    a call the fast path declines (a ShardTensor weight) goes through the hook."""
+    from torch.overrides import TorchFunctionMode
+
+    import physicsnemo_dp.shard_tensor as st
+    from physicsnemo_dp.rules.matmul import contract
+
+    gen = torch.Generator().manual_seed(9)
+    G, W = torch.randn(7, 5, generator=gen, dtype=torch.float64), torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    spec = make_spec(ctx.mesh, (Shard(0),), G.shape)
+    entered, hook = [], st.handle_torch_function
+
+    def step(call):
+        x, w = shard_from_global(G, spec, requires_grad=True), torch.nn.Parameter(W.clone())
+        entered.clear()
+        st.handle_torch_function = lambda func, *rest: entered.append(func) or hook(func, *rest)
+        try:
+            y = call(x, w)
+        finally:
+            st.handle_torch_function = hook
+        (y * shard_from_global(torch.ones(y.shape, dtype=G.dtype) / 3, y._spec)).sum().backward()
+        return (y._spec, y._local_tensor, x.grad._local_tensor, w.grad), len(entered)
+
+    (y_spec, *fast), fast_entries = step(lambda x, w: x @ w)
+    (ref_spec, *hooked), hook_entries = step(lambda x, w: torch.Tensor.__matmul__(x, w))
+    assert fast_entries == 0 and hook_entries == 1
+    assert y_spec is ref_spec and all(torch.equal(a, b) for a, b in zip(fast, hooked))
+    torch.testing.assert_close(fast[-1], G.t() @ torch.ones(7, 4, dtype=G.dtype) / 3)
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x, w = shard_from_global(G, spec), torch.nn.Parameter(W.clone())
+    with Watch() as watch:
+        y = x @ w
+    assert watch.seen, "a TorchFunctionMode sees x @ w"
+    torch.testing.assert_close(y.full_tensor(), G @ W)
+    dispatched, dispatch = [], st.handle_torch_dispatch
+    st.handle_torch_dispatch = lambda func, *rest: dispatched.append(func) or dispatch(func, *rest)
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            y = x @ w
+    finally:
+        st.handle_torch_dispatch = dispatch
+    assert aten.mm.default in dispatched, "subclass torch-function disabled: the dispatcher serves x @ w"
+    torch.testing.assert_close(y.full_tensor(), G @ W)
+    entered.clear()
+    st.handle_torch_function = lambda func, *rest: entered.append(func) or hook(func, *rest)
+    try:
+        y = x @ shard_from_global(W, make_spec(ctx.mesh, (Replicate(),), W.shape))
+    finally:
+        st.handle_torch_function = hook
+    assert len(entered) == 1, "declined by the fast path: torch's hook"  # (it reports Tensor.matmul)
+    torch.testing.assert_close(y.full_tensor(), G @ W)
+    # the plan runs torch.mm on the local tensors directly (no moves, no bias)
+    wv = __import__("physicsnemo_dp.promotion").promotion.promote(W, ctx.mesh)
+    assert contract.prepare(contract.Equation((("n", "k"), ("k", "m")), ("n", "m")), (x, wv)).direct is torch.mm
 
 
 @distributed(world_sizes=(1, 3), mesh_2d=True)

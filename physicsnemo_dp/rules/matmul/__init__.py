@@ -25,7 +25,7 @@ from functools import lru_cache, partial
 
 import torch
 
-from ..._torch_compat import any_autocast_enabled, torch_function_disabled
+from ..._torch_compat import any_autocast_enabled, direct_apply, functorch_transforms_active, torch_function_disabled
 from ... import promotion as _promotion, rule_kit as _rule_kit
 from ...promotion import TensorPromotionMode, promote, promote_together
 from ...propagation import OpPlan, moves
@@ -271,8 +271,15 @@ def _fast_product(op: _Product, func, types, args, kwargs):
 
         prepared = _fast_plan(key, build)
     if torch.is_grad_enabled():
-        return Contraction.apply(prepared, 1, 1, None, x, wv)
+        if functorch_transforms_active():
+            return Contraction.apply(prepared, 1, 1, None, x, wv)
+        return _CONTRACT(prepared, 1, 1, None, x, wv)
     return run(prepared, (x, wv), None, 1, 1)
+
+
+#: :class:`.contract.Contraction`'s C++ apply for two operands (what its ``apply`` calls outside torch.func
+#: transforms), without the classmethod's checks: ~1 us a call on the fast paths.
+_CONTRACT = direct_apply(Contraction, 6)
 
 
 def _fast_linear(func, types, args, kwargs):
@@ -304,7 +311,9 @@ def _fast_linear(func, types, args, kwargs):
 
     prepared = _fast_plan((_LINEAR, id(spec), id(w_spec), None if b_spec is None else id(b_spec), dtype), build)
     if torch.is_grad_enabled():
-        return Contraction.apply(prepared, 1, 1, bv, x, wv)
+        if functorch_transforms_active():
+            return Contraction.apply(prepared, 1, 1, bv, x, wv)
+        return _CONTRACT(prepared, 1, 1, bv, x, wv)
     return run(prepared, (x, wv), bv, 1, 1)
 
 

@@ -158,6 +158,15 @@ class LocalProgram:
         return result
 
 
+def direct_kernel(program: LocalProgram):
+    """``torch.mm`` or ``F.linear`` where :meth:`LocalProgram.run` of two operands without a bias, ``alpha == 1``,
+    is that one call on the local tensors as they are (see ``_Product.form``); else None."""
+    kernel = program.kernel
+    if program.squeezes or program.missing or program.expand or not isinstance(kernel, _Product) or not kernel.form:
+        return None
+    return F.linear if kernel.form == "linear" else torch.mm
+
+
 def _same_float_dtype(*tensors) -> bool:
     """``addmm`` needs one dtype, and a float one to take float ``alpha``/``beta``."""
     dtype = tensors[0].dtype

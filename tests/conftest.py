@@ -16,7 +16,7 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly or not session.items:
         return
     readers = [item for item in session.items if "stalled_jobs" in getattr(item, "fixturenames", ())]
-    if readers and session.items[0].module is not readers[0].module:
+    if readers and getattr(session.items[0], "module", None) is not readers[0].module:
         readers[0].module.start_early()
         _early.append(readers[0].module)
 

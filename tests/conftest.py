@@ -5,8 +5,26 @@ import pytest
 from tests._harness import close_all
 
 
+_early = []  # test modules whose background jobs pytest_collection_finish started
+
+
+def pytest_collection_finish(session):
+    """Start the two stalled ``torchrun`` jobs of ``tests/examples/test_training_safety.py`` as soon as the tests are
+    collected, when a test reading them is selected and other tests run before that module: each job spends ~10 s
+    waiting for its watchdog, which then passes beside the tests before them instead of adding to the run (see
+    ``StalledJobs`` there). Not for ``--collect-only``, nor when that module runs first (its fixture starts them)."""
+    if session.config.option.collectonly or not session.items:
+        return
+    readers = [item for item in session.items if "stalled_jobs" in getattr(item, "fixturenames", ())]
+    if readers and getattr(session.items[0], "module", None) is not readers[0].module:
+        readers[0].module.start_early()
+        _early.append(readers[0].module)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the rank pools when the session ends, so no worker outlives pytest."""
+    """Stop the rank pools when the session ends, so no worker outlives pytest; end background jobs no test read."""
+    for module in _early:
+        module.stop_early()
     close_all()
 
 

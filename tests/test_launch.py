@@ -171,13 +171,19 @@ def test_launch_rejects_bad_mesh_shapes():
         launch(_coordinates, 3, mesh_shape=(2, 2))
 
 
-def test_demo_prints_match():
-    result = subprocess.run(
-        [sys.executable, "-m", "physicsnemo_dp.demo", "--ranks", "3", "--rows", "8", "--cols", "5"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "MATCH" in result.stdout
+def test_demo_prints_match(monkeypatch, capfd):
+    """``python -m physicsnemo_dp.demo``, run the way ``-m`` runs it (``runpy``, the module as ``__main__``, its
+    argv), in this process: a fresh interpreter would only add its ``import torch`` (~5 s). A script's own
+    interpreter starting ranks is ``test_killing_the_caller_leaves_no_process_behind`` and
+    ``tests/examples/test_minimal.py::test_plain_python_starts_four_ranks``."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["demo", "--ranks", "3", "--rows", "8", "--cols", "5"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("physicsnemo_dp.demo", run_name="__main__", alter_sys=True)
+    out, err = capfd.readouterr()
+    assert exit_.value.code == 0, out + err
+    assert "MATCH: the sharded computation equals the single-process result" in out, out + err
 
 
 def test_ranks_start_again_when_their_group_cannot_form(monkeypatch, capfd):

@@ -195,24 +195,30 @@ def _start_stalled_job(tmp_path, step: int, options: dict) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _kill_tree(job: subprocess.Popen) -> None:
+    """Kill a job still running, with its ranks: torchrun starts each rank in a session of its own, so the tree, not
+    a process group."""
+    if job.poll() is None:
+        try:
+            torchrun = psutil.Process(job.pid)
+            tree = [torchrun, *torchrun.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for process in tree:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        job.wait()
+
+
 def _finish_stalled_job(job: subprocess.Popen) -> tuple[int, str, str, float, float]:
     """Wait for the job: (status, stdout, stderr, when rank 2 stopped, when the job ended)."""
     try:
         stdout, stderr = job.communicate(timeout=300)
         ended = time.time()
     finally:  # whatever happened: nothing of this job (e.g. a still stopped rank) outlives the test
-        if job.poll() is None:  # torchrun starts each rank in a session of its own: kill the tree, not a group
-            try:
-                torchrun = psutil.Process(job.pid)
-                tree = [torchrun, *torchrun.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                tree = []
-            for process in tree:
-                try:
-                    process.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            job.wait()
+        _kill_tree(job)
     stopped_at = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("stalling rank")]
     assert job.returncode != 0 and stopped_at, stdout[-3000:] + stderr[-5000:]
     return job.returncode, stdout, stderr, stopped_at[0], ended
@@ -223,22 +229,76 @@ def _finish_stalled_job(job: subprocess.Popen) -> tuple[int, str, str, float, fl
 _JOBS = {"timeout": (3, {"--steps": 6, "--timeout": TIMEOUT}), "adaptive": (5, {"--steps": 8, "--stall-floor": 5})}
 
 
+class StalledJobs:
+    """Both jobs, started together, each waited for on a thread of its own (its end time taken when it ends).
+
+    ``tests/conftest.py`` starts them when collection ends if a test of theirs is selected and other tests run
+    before this module: the ~10 s each job spends waiting on its timeout then passes beside those tests instead of
+    adding to the run. Otherwise the ``stalled_jobs`` fixture starts them when its first test needs them.
+    """
+
+    def __init__(self, folder: Path):
+        import concurrent.futures
+
+        self.folder = folder
+        self._jobs, self._futures = {}, {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(_JOBS))
+        try:
+            for name, (step, options) in _JOBS.items():
+                (folder / f"stall_{name}").mkdir(parents=True)
+                self._jobs[name] = _start_stalled_job(folder / f"stall_{name}", step, options)
+                self._futures[name] = self._pool.submit(_finish_stalled_job, self._jobs[name])
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def results(self) -> dict:
+        """Each job's ``_finish_stalled_job`` result, or the exception it raised (raised by the test that reads it)."""
+        return {name: future.exception() or future.result() for name, future in self._futures.items()}
+
+    def close(self, kill: bool = False) -> None:
+        """Wait for the jobs' threads, after ending the jobs if ``kill`` (no test will read them); remove the
+        jobs' folders. Each thread kills its job's tree if the job outlives its own timeout."""
+        import shutil
+
+        if kill:
+            for job in self._jobs.values():
+                _kill_tree(job)
+        self._pool.shutdown(wait=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+#: Started by ``tests/conftest.py`` when collection ends (see :class:`StalledJobs`); None otherwise.
+EARLY: StalledJobs | None = None
+
+
+def start_early() -> None:
+    global EARLY
+    import tempfile
+
+    if EARLY is None:
+        EARLY = StalledJobs(Path(tempfile.mkdtemp(prefix="pdp-stalled-jobs-")))
+
+
+def stop_early(kill: bool = True) -> None:
+    """End the early jobs: at session end (``kill``: no test read them, e.g. an interrupted session), or once read."""
+    global EARLY
+    if EARLY is not None:
+        EARLY, early = None, EARLY
+        early.close(kill=kill)
+
+
 @pytest.fixture(scope="module")
 def stalled_jobs(tmp_path_factory):
-    """Both jobs, started together; each test reads its own (a failure is raised by the test that reads it)."""
-    import concurrent.futures
-
-    jobs = {}
+    """Both jobs' results; each test reads its own (a failure is raised by the test that reads it)."""
+    jobs = EARLY or StalledJobs(tmp_path_factory.mktemp("stalled"))
     try:
-        for name, (step, options) in _JOBS.items():
-            jobs[name] = _start_stalled_job(tmp_path_factory.mktemp(f"stall_{name}"), step, options)
-        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # each job's end time taken when it ends
-            futures = {name: pool.submit(_finish_stalled_job, job) for name, job in jobs.items()}
-            return {name: future.exception() or future.result() for name, future in futures.items()}
+        return jobs.results()
     finally:
-        for job in jobs.values():  # a job _finish_stalled_job did not reach (an error starting the other)
-            if job.poll() is None:
-                _finish_stalled_job(job)
+        if jobs is EARLY:
+            stop_early(kill=False)
+        else:
+            jobs.close()
 
 
 def _stalled_job(stalled_jobs, name: str) -> tuple[int, str, str, float, float]:

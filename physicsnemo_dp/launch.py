@@ -222,6 +222,7 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn
             timeout=timedelta(seconds=timeout_s),
         )
         mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_names))
+        dist.barrier()  # no rank runs fn before every rank has joined: a failed join leaves nothing run
         joining = False
         outcome = ("result", cloudpickle.dumps(_to_cpu(fn(mesh, *args, **kwargs))))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
@@ -306,8 +307,9 @@ def launch(
 
 #: Tries to form the process group. The rendezvous port is picked free, closed, then bound by rank 0's
 #: store; another process can take it in between, or a gloo connection of the full mesh can be refused
-#: ("Connection closed by peer" while joining, seen once on a loaded machine). Nothing of the caller's
-#: function has run then, so the ranks are started again on a new port.
+#: ("Connection closed by peer" while joining, seen on a loaded machine). The ranks pass a barrier before
+#: the caller's function, so a rank that fails to join makes the others fail while joining too: nothing of
+#: the function has run anywhere then, and the ranks are started again on a new port.
 _JOIN_ATTEMPTS = 2
 
 

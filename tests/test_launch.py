@@ -221,6 +221,52 @@ def test_a_group_that_never_forms_is_reported_after_the_second_try(monkeypatch):
     assert len(tries) == 2
 
 
+class _BreakRankTwosJoin:
+    """Unpickled by each rank before it joins: rank 2's first join then fails after its group formed.
+
+    As gloo's full-mesh connection does on a loaded machine ("Connection closed by peer"); the other
+    ranks' joins have succeeded by then. ``marker`` makes the second start of the ranks join normally.
+    """
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_break_rank_twos_join, (self.marker,))
+
+
+def _break_rank_twos_join(marker):
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        original(*args, **kwargs)
+        if dist.get_rank() == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise RuntimeError("Gloo connectFullMesh failed with [...] Connection closed by peer (deliberate)")
+
+    dist.init_process_group = init_process_group
+    return marker
+
+
+def _rank_or_raise_if_run_twice(mesh, marker, ran):
+    import torch.distributed as dist
+
+    Path(ran, str(dist.get_rank())).touch(exist_ok=False)  # fn runs once per rank in all, or this raises
+    return dist.get_rank()
+
+
+def test_a_rank_that_fails_to_join_after_the_others_joined_restarts_all_before_fn_runs(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch_module, "_GRACE_SECONDS", 5.0)
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    got = launch(_rank_or_raise_if_run_twice, 3, args=(_BreakRankTwosJoin(tmp_path / "broken"), str(ran)),
+                 return_all=True, timeout=120, echo=False)  # fmt: skip
+    assert got == [0, 1, 2] and (tmp_path / "broken").exists()
+    assert sorted(p.name for p in ran.iterdir()) == ["0", "1", "2"]
+
+
 def _time_out_on_one_then_die_on_two(mesh):
     import time as clock
 

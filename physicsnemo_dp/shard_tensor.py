@@ -52,6 +52,9 @@ _handle_torch_function = torch.compiler.disable(handle_torch_function)
 _REQUIRES_GRAD = TensorBase.requires_grad.__get__
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
 class ShardTensor(torch.Tensor):
     """A tensor split over a device mesh with per-rank shard sizes of your choosing.
 
@@ -163,6 +166,11 @@ class ShardTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is _DETACH and not registry.dispatch_handlers_registered():
+            # Autograd saves every ShardTensor output of a Function through a detached copy (C++, on each
+            # call): the table's rule for detach (the local tensor detached, same spec) without its lookups.
+            x = args[0]
+            return ShardTensor._of_local(x._local_tensor.detach(), x._spec)
         return handle_torch_dispatch(func, types, args, kwargs)
 
     # ------------------------------------------------------- construction

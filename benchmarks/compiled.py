@@ -14,7 +14,8 @@ of the output, so every rank's contribution is reduced as a real loss is),
 * **transformer block** (pre-norm, 4 heads): sequence-sharded, so its
   attention is ring attention. Compiled *regionally*, as the docs recommend:
   the token-wise parts before and after the attention are compiled
-  (``fullgraph=True``), the ring between them runs eagerly.
+  (``fullgraph=True``), the second with the loss (as the other models compile
+  theirs), the ring between them runs eagerly.
 
 Each model runs four ways from the same weights: eager and compiled, on the
 plain global input (the single-device baseline) and on this rank's shard.
@@ -117,9 +118,23 @@ class Block(nn.Module):
         q, k, v = self.qkv(x)
         return self.out(x, F.scaled_dot_product_attention(q, k, v))
 
+    def tail(self, x, attn):
+        """The step's last region: the output part and the loss (``_loss(self.out(x, attn))``)."""
+        return _loss(self.out(x, attn))
+
+    def step_loss(self, x):
+        """``_loss(self(x))``, with the loss in the last region (compiled with it by :meth:`compile_regions`)."""
+        return self.tail(x, F.scaled_dot_product_attention(*self.qkv(x)))
+
     def compile_regions(self, backend: str = "inductor") -> "Block":
+        """Everything but the attention compiled, in two regions: before it, and after it with the loss.
+
+        As the whole-model steps compile their loss with the model, the step's
+        loss is compiled with the last region (:meth:`step_loss`); the attention
+        (ring attention on a sequence-sharded input) runs eagerly between them.
+        """
         self.qkv = torch.compile(self.qkv, backend=backend, fullgraph=True)
-        self.out = torch.compile(self.out, backend=backend, fullgraph=True)
+        self.tail = torch.compile(self.tail, backend=backend, fullgraph=True)
         return self
 
 
@@ -160,7 +175,7 @@ def _trainer(net: nn.Module, backend: str | None, regional: bool) -> Callable:
     """One training step of ``net`` (eager if ``backend`` is None, else compiled whole or regionally)."""
     if backend and regional:
         net.compile_regions(backend)
-        forward = lambda *args: _loss(net(*args))  # noqa: E731 (the loss runs eagerly between regions)
+        forward = net.step_loss  # the attention runs eagerly between the regions, the loss in the last one
     elif backend:
         forward = torch.compile(lambda *args: _loss(net(*args)), backend=backend)
     else:

@@ -77,22 +77,35 @@ def restore_storage_tags(local: torch.Tensor, tags: tuple) -> None:
 
 def bind_args(func, args, kwargs) -> dict:
     """Arguments of an ATen call by schema name: positional, then keywords, then defaults (None if none)."""
+    try:
+        params = _SCHEMA_PARAMS[func]
+    except KeyError:  # first call of this op: its schema read once (``_schema.arguments`` builds objects per read)
+        params = _SCHEMA_PARAMS[func] = _schema_params(func)
+    except TypeError:  # an unhashable callable: read its schema every time
+        params = _schema_params(func)
     bound = {}
-    positional = iter(args)
-    for a in func._schema.arguments:
-        if not a.kwarg_only:
-            value = next(positional, _MISSING)
-            if value is not _MISSING:
-                bound[a.name] = value
-                continue
-        if a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
+    n = len(args)
+    i = 0
+    for name, kwarg_only, default in params:
+        if not kwarg_only and i < n:
+            bound[name] = args[i]
+            i += 1
+        elif name in kwargs:
+            bound[name] = kwargs[name]
         else:
-            bound[a.name] = a.default_value if a.has_default_value() else None
+            bound[name] = list(default) if type(default) is list else default  # a caller may change a list
     return bound
 
 
-_MISSING = object()
+def _schema_params(func) -> tuple:
+    """``(name, kwarg_only, default or None)`` of every argument of ``func``'s schema, in order."""
+    return tuple(
+        (a.name, a.kwarg_only, a.default_value if a.has_default_value() else None) for a in func._schema.arguments
+    )
+
+
+#: op -> :func:`_schema_params` (schemas never change; one entry per op ever bound)
+_SCHEMA_PARAMS: dict = {}
 
 
 def broadcast_shape(*shapes) -> tuple[int, ...]:

@@ -61,6 +61,9 @@ _is_compiling = torch.compiler.is_compiling
 _STRIDED = torch.strided
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
 class ShardTensor(torch.Tensor):
     """A tensor split over a device mesh with per-rank shard sizes of your choosing.
 
@@ -173,6 +176,11 @@ class ShardTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is _DETACH and not registry.dispatch_handlers_registered():
+            # Autograd saves every ShardTensor output of a Function through a detached copy (C++, on each
+            # call): the table's rule for detach (the local tensor detached, same spec) without its lookups.
+            x = args[0]
+            return ShardTensor._of_local(x._local_tensor.detach(), x._spec)
         return handle_torch_dispatch(func, types, args, kwargs)
 
     def __matmul__(self, other):

@@ -18,7 +18,10 @@ redistributed to one of these. Masks get no gradient.
 from __future__ import annotations
 
 from .._conversion import Redistribute
+from .._torch_compat import plain_eager
 from ..propagation import OpPlan, cached, freeze
+from ..rule_kit import shard_tensor_cls
+from . import function
 from ._propagate import AttentionPlan, propagate
 from .function import attention
 from .zigzag import zigzag_active
@@ -77,6 +80,54 @@ def propagate_entry(func, args, kwargs) -> OpPlan:
     return plan_call(*(bound[name] for name in _PARAMS)).plan
 
 
+#: keyword arguments the one-call fast path takes (scalars; a mask or anything else takes the general path)
+_SCALAR_OPTIONS = frozenset(("dropout_p", "is_causal", "scale", "enable_gqa"))
+
+#: (q, k, v specs, keyword options, zig-zag active) -> ``(plan, causal)`` of a call the general path runs as one
+#: fused kernel call on the local tensors as given (:class:`~.function.WholeAttention`), or None if it does not.
+#: Filled by the general path's own decisions (:func:`_whole_plan`); bounded (cleared when full).
+_WHOLE: dict = {}
+_WHOLE_LIMIT = 1024
+
+
+def _whole_plan(query, key, value, kwargs):
+    """``(plan, causal)`` when :func:`scaled_dot_product_attention` would run ``WholeAttention`` on these very
+    tensors (no redistribution, no mask, one kernel call), else None. Everything it reads is in the key of
+    :data:`_WHOLE`: the specs (global and local shapes, dtype, mesh and so device), the options, zig-zag order."""
+    b = _bind((query, key, value), kwargs)
+    specs = (query._spec, key._spec, value._spec, None)
+    # an invalid call raises here (as the general path then does): nothing is memoised
+    ap = plan_call(*specs, b["dropout_p"], b["is_causal"], b["scale"], b["enable_gqa"])
+    layout = ap.layout
+    for x, spec in ((query, layout.q), (key, layout.k), (value, layout.v)):
+        if x._spec.placements != spec.placements or x._spec.dim_sizes != spec.dim_sizes:
+            return None  # _to would redistribute
+    causal = function._whole_call(query, key, value, None, ap)
+    return None if causal is None else (ap, causal)
+
+
 def sdpa_handler(func, types, args, kwargs):
-    """Function-level handler for ``F.scaled_dot_product_attention`` (inputs already promoted)."""
+    """Function-level handler for ``F.scaled_dot_product_attention`` (inputs already promoted).
+
+    A call the general path would run as one fused kernel call on the local tensors as they are (whole keys on
+    the rank: a one-rank mesh, replicated keys; see :func:`~.function._whole_call`), seen before with the same
+    specs and options, goes straight to :class:`~.function.WholeAttention` with the memoised plan: the same
+    Function with the same arguments, without binding, planning and layout checks on every call. Only plain
+    eager calls (a tracer, a dispatch mode or a functorch transform gets the general path).
+    """
+    if len(args) == 3 and (not kwargs or _SCALAR_OPTIONS.issuperset(kwargs)) and plain_eager():
+        q, k, v = args
+        cls = shard_tensor_cls()
+        if type(q) is cls and type(k) is cls and type(v) is cls:
+            key = (q._spec, k._spec, v._spec, tuple(kwargs.items()) if kwargs else (), zigzag_active())
+            try:
+                hit = _WHOLE[key]
+            except KeyError:
+                if len(_WHOLE) >= _WHOLE_LIMIT:
+                    _WHOLE.clear()
+                hit = _WHOLE[key] = _whole_plan(q, k, v, kwargs)
+            except TypeError:  # an unhashable option value: the general path
+                hit = None
+            if hit is not None:
+                return function.WholeAttention.apply(q, k, v, hit[1], hit[0])[0]
     return scaled_dot_product_attention(**_bind(args, kwargs))

@@ -125,6 +125,7 @@ def test_one_kernel_call_on_the_local_tensors(ctx):
     call and the bits of the grouped path (``SDPAFunction``), on every layout; taken at P = 1 when q, k and v
     share a layout (a ring of one rank included; queries against sharded keys keep their merged backward)."""
     from physicsnemo_dp.attention import function
+    from physicsnemo_dp.attention import sdpa as sdpa_module
 
     from ..core._util import make_spec, shard_from_global
 
@@ -146,11 +147,13 @@ def test_one_kernel_call_on_the_local_tensors(ctx):
                           for i, (t, p) in enumerate(zip(tensors, layout))]  # fmt: skip
                     found = function._whole_call
                     function._whole_call = found if whole else (lambda *a: None)
+                    sdpa_module._WHOLE.clear()  # the handler's memo of whole calls follows the patched decision
                     try:
                         out = fn(*xs)
                         out.backward(out.detach() * 0 + 1)
                     finally:
                         function._whole_call = found
+                        sdpa_module._WHOLE.clear()
                     runs.append([out._local_tensor] + [x.grad._local_tensor for x in xs])
                 for a, b in zip(*runs):
                     assert torch.equal(a, b), f"{layout} causal={causal}: not the grouped path's bits"
@@ -164,3 +167,66 @@ def test_one_kernel_call_on_the_local_tensors(ctx):
         out.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(out.detach() * 0 + 1)
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=False, timeout=300)
+def test_repeated_whole_call_skips_planning(ctx):
+    """A call the general path runs as one kernel call (``WholeAttention``), repeated with the same specs and
+    options, goes from the handler straight to ``WholeAttention`` with the memoised plan (the general entry is
+    not called again), with the general path's bits; it steps aside for a mask, a sharded ring (P = 3), a
+    layout the general path would move, and under a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from physicsnemo_dp.attention import sdpa as sdpa_module
+
+    from ..core._util import make_spec, shard_from_global
+
+    mesh, sdpa = ctx.mesh, F.scaled_dot_product_attention
+    general, entered = sdpa_module.scaled_dot_product_attention, []
+    sdpa_module.scaled_dot_product_attention = lambda *a, **k: entered.append(1) or general(*a, **k)
+
+    class _Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(layout, fast, mask=None, mode=False, **options):
+        """(out, dq, dk, dv) locals and whether the general entry ran, the fast path on or off."""
+        xs = [shard_from_global(t, make_spec(mesh, p, tuple(t.shape), salt=i), requires_grad=True)
+              for i, (t, p) in enumerate(zip(_qkv(L=7, S=7, E=4, Ev=4), layout))]  # fmt: skip
+        found = sdpa_module._whole_plan
+        sdpa_module._whole_plan = found if fast else (lambda *a: None)
+        sdpa_module._WHOLE.clear()
+        try:
+            fn = (lambda: sdpa(*xs, **options)) if mask is None else (lambda: sdpa(*xs, attn_mask=mask, **options))
+            fn()  # the first call decides (and fills the memo)
+            entered.clear()
+            if mode:
+                with _Seen():
+                    out = fn()
+            else:
+                out = fn()
+            out.backward(out.detach() * 0 + 1)
+        finally:
+            sdpa_module._whole_plan = found
+            sdpa_module._WHOLE.clear()
+        return [out._local_tensor] + [x.grad._local_tensor for x in xs], bool(entered)
+
+    try:
+        S, R = (Shard(2),), (Replicate(),)
+        for options in ({}, {"is_causal": True}, {"scale": 0.3}):
+            for layout in ((S, S, S), (S, R, R)):
+                bits, general_ran = run(layout, True, **options)
+                reference, _ = run(layout, False, **options)
+                if mesh.size() == 1 or (layout[1] == R and not options):  # keys whole on the rank: one kernel call
+                    assert not general_ran, (layout, options)  # (causal on a query shard: per rank, unchecked)
+                elif layout[1] == S:  # a ring of three ranks
+                    assert general_ran, (layout, options)
+                for a, b in zip(bits, reference):
+                    assert torch.equal(a, b), (layout, options)
+        # steps aside: a mask, a layout the general path moves first, a dispatch mode
+        mask = torch.ones(7, 7, dtype=torch.bool).tril()
+        assert run((S, S, S), True, mask=mask)[1]
+        assert run((R, S, S), True)[1] or mesh.size() == 1  # queries replicated, keys sharded: moved first
+        assert run((S, S, S), True, mode=True)[1]
+    finally:
+        sdpa_module.scaled_dot_product_attention = general

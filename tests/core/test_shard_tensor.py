@@ -227,3 +227,39 @@ def test_device_mismatch_is_refused(ctx):
 
     meta = torch.zeros(2, device="meta")
     _raises(PlacementError, lambda: ShardTensor.from_local(meta, ctx.mesh, [Shard(0)]), "device")
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=False)
+def test_detach_takes_its_rule_directly_unless_a_handler_is_registered(ctx):
+    """``aten.detach`` (what autograd runs on every saved ShardTensor output of a Function) skips the
+    dispatch layer's lookups: the table's rule's result (the local tensor detached, the same spec), with
+    the dispatch layer not entered; a registered dispatch handler still sees the call."""
+    from physicsnemo_dp import shard_tensor as st_module
+
+    x = shard_from_global(torch.randn(7, 3, dtype=torch.float64), make_spec(ctx.mesh, (Shard(0),), (7, 3)))
+    entered, general = [], st_module.handle_torch_dispatch
+    st_module.handle_torch_dispatch = lambda *a: entered.append(a[0]) or general(*a)
+    try:
+        out = torch.ops.aten.detach.default(x)
+        assert not entered and type(out) is ShardTensor and out is not x
+        assert out._spec is x._spec and out._local_tensor is not x._local_tensor
+        assert out._local_tensor.data_ptr() == x._local_tensor.data_ptr()
+        y = x.detach().requires_grad_()
+        (y * 2).sum().backward()  # a Function saving its output detaches it: through the fast path too
+        assert torch.equal(y.grad._local_tensor, torch.full_like(x._local_tensor, 2.0))
+        seen = []
+        entered.clear()
+        def handler(func, types, args, kwargs):
+            seen.append(1)
+            return ShardTensor._of_local(args[0]._local_tensor.detach(), args[0]._spec)
+
+        ShardTensor.register_dispatch_handler(torch.ops.aten.detach.default, handler)
+        try:
+            assert type(torch.ops.aten.detach.default(x)) is ShardTensor and seen == [1]
+            assert entered == [torch.ops.aten.detach.default]
+        finally:
+            from physicsnemo_dp.dispatch import registry
+
+            registry.dispatch_handlers.unregister(torch.ops.aten.detach.default)
+    finally:
+        st_module.handle_torch_dispatch = general

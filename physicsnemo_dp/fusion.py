@@ -62,6 +62,7 @@ from ._torch_compat import (
     functorch_transforms_active,
     global_module_hooks,
     module_hooks,
+    once_differentiable,
     run_autograd_engine,
 )
 from .errors import PlacementError
@@ -293,7 +294,7 @@ class _Enter(SubclassFunction):
         return to_layout(x, in_spec).detach()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return None, None, None
@@ -311,7 +312,7 @@ class _Leave(Function):
         return wrap(out.detach(), out_spec)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return None, None
@@ -351,7 +352,7 @@ class _Fused(SubclassFunction):
         return wrap(out.detach(), out_spec)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         n = len(ctx.leaves)
         if grad is None:

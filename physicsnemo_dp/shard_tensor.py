@@ -50,6 +50,7 @@ __all__ = ["ShardTensor"]
 #: eagerly inside a compiled function (at a graph break, e.g. ring attention).
 _handle_torch_function = torch.compiler.disable(handle_torch_function)
 _REQUIRES_GRAD = TensorBase.requires_grad.__get__
+_ADD = torch.ops.aten.add.Tensor
 
 
 class ShardTensor(torch.Tensor):
@@ -163,6 +164,15 @@ class ShardTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is _ADD and not kwargs and not registry.dispatch_handlers_registered():
+            # Two ShardTensors of one spec without pending sums (a residual add in forward, autograd's sum of a
+            # tensor's gradients in backward: most of a step's adds): the pointwise rule's answer, the local
+            # sum in that spec, without the way through the table and the rule (~1.5 us a call)
+            a, b = args
+            if type(a) is cls and type(b) is cls:
+                spec = a._spec
+                if b._spec is spec and not spec.has_partial:
+                    return cls._of_local(_ADD(a._local_tensor, b._local_tensor), spec)
         return handle_torch_dispatch(func, types, args, kwargs)
 
     # ------------------------------------------------------- construction

@@ -440,6 +440,23 @@ def test_step_fast_paths_are_taken_and_step_aside(ctx):
 
             dispatch_handlers.unregister(op)
         assert called == [op]
+    # the same-spec add below autograd is the pointwise rule's answer, and a dispatch handler for it is called
+    assert torch_dispatch.table.lookup(aten.add.Tensor) is pointwise.pointwise_rule
+    called = []
+
+    def add_handler(func, types, args, kwargs):
+        called.append(func)
+        return pointwise.pointwise_rule(func, args, kwargs)
+
+    ShardTensor.register_dispatch_handler(aten.add.Tensor, add_handler)
+    try:
+        x = shard_from_global(G, spec, requires_grad=True)
+        (x + x).sum().backward()
+    finally:
+        from physicsnemo_dp.dispatch.registry import dispatch_handlers
+
+        dispatch_handlers.unregister(aten.add.Tensor)
+    assert called and called[0] is aten.add.Tensor and torch.allclose(x.grad.full_tensor(), torch.full_like(G, 2.0))
 
 
 @distributed(world_sizes=(1,), mesh_2d=False)

@@ -100,7 +100,34 @@ upsample_kernels = {
 disabled_torch_function = torch._C._disabled_torch_function_impl
 
 
-class Function(torch.autograd.Function):
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _backward_apply(self, *args):
+    """``BackwardCFunction.apply`` for a Function that defines ``backward`` (no ``vjp``, no boxed gradients).
+
+    torch's looks up ``backward`` and ``vjp`` on every call, to refuse a Function defining both and to pick
+    the one defined (two Python frames and ~50 bytecodes per backward node); for these Functions the answer is
+    known when the class is made.
+    """
+    return self._forward_cls.backward(self, *args)
+
+
+class _FunctionMeta(type(torch.autograd.Function)):
+    """torch's Function metaclass, whose backward class (``_backward_cls``, what the engine calls a node's
+    ``apply`` on) gets :func:`_backward_apply` where that is what torch's ``apply`` would do."""
+
+    def __init__(cls, name, bases, attrs):
+        super().__init__(name, bases, attrs)
+        base = torch.autograd.Function
+        if cls.vjp is base.vjp and cls.backward is not base.backward and not cls.boxed_grads_call:
+            node = cls._backward_cls
+            cls._backward_cls = type(
+                node.__name__, (node,), {"apply": _backward_apply, "__module__": node.__module__, "__qualname__": node.__qualname__}
+            )
+
+
+class Function(torch.autograd.Function, metaclass=_FunctionMeta):
     """``torch.autograd.Function`` without the per-call argument binding, where binding changes nothing.
 
     For Functions with ``setup_context``, torch's ``apply`` binds every call's
@@ -115,8 +142,30 @@ class Function(torch.autograd.Function):
     def apply(cls, *args, **kwargs):
         if kwargs or torch._C._are_functorch_transforms_active() or not _binds_to_itself(cls, len(args)):
             return super().apply(*args, **kwargs)
-        args = torch._functorch.utils.unwrap_dead_wrappers(args)
+        # torch._functorch.utils.unwrap_dead_wrappers, without its generator
+        args = tuple([_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
         return super(torch.autograd.Function, cls).apply(*args)
+
+
+def once_differentiable(fn):
+    """``torch.autograd.function.once_differentiable``, without its ``no_grad`` block where grad mode is off already.
+
+    The engine runs a backward with grad mode off unless it creates a graph (``create_graph=True``), so for
+    nearly every call torch's wrapper enters and leaves a ``no_grad`` block that changes nothing (~1.5 us a
+    call, on every backward node of the library). Then ``fn`` runs directly, which is what torch's wrapper
+    does in that case (its ``no_grad`` is a no-op and it returns ``fn``'s outputs as they are); with grad mode
+    on, torch's own wrapper runs (it refuses a double backward through the node).
+    """
+    guarded = torch.autograd.function.once_differentiable(fn)
+    is_grad_enabled = torch.is_grad_enabled
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        if is_grad_enabled():
+            return guarded(ctx, *args)
+        return fn(ctx, *args)
+
+    return wrapper
 
 
 def is_zero_tensor(tensor: torch.Tensor) -> bool:
@@ -151,7 +200,14 @@ def non_differentiable(ctx, *outputs) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _binds_to_itself(cls, nargs: int) -> bool:
-    """Whether binding ``nargs`` positional arguments to ``cls.forward`` adds no defaults."""
+    """Whether torch's ``apply`` would pass ``nargs`` positional arguments to ``forward`` as they are.
+
+    It binds them to ``forward``'s signature only for a Function with ``setup_context``; one in the
+    ``forward(ctx, ...)`` style gets them unbound. For a ``setup_context`` Function: whether binding adds no
+    defaults.
+    """
+    if cls.setup_context is torch.autograd.Function.setup_context:  # forward(ctx, ...): torch does not bind
+        return True
     try:
         bound = inspect.signature(cls.forward).bind(*range(nargs))
     except TypeError:

@@ -62,6 +62,7 @@ from ._torch_compat import (
     functorch_transforms_active,
     global_module_hooks,
     module_hooks,
+    once_differentiable,
     run_autograd_engine,
 )
 from .errors import PlacementError
@@ -131,14 +132,7 @@ def _steps(module, path, steps, params, top) -> int:
             "as it runs (batch statistics, counters) is not row-local: leave it out of rowwise()"
         )
     if kind is nn.Linear:
-        own = module._parameters
-        w, b = (own["weight"], own["bias"]) if "weight" in own and "bias" in own else (module.weight, module.bias)
-        params.append(w)
-        if b is None:
-            steps.append((_LINEAR, 1, module.out_features))
-        else:
-            params.append(b)
-            steps.append((_LINEAR, 2, module.out_features))
+        _linear_step(module, steps, params)
         return 1
     if kind in ACTIVATIONS:
         steps.append((_ACT, module))
@@ -156,6 +150,15 @@ def _steps(module, path, steps, params, top) -> int:
         feature = 1
         for name, child in module._modules.items():
             if child is not None:
+                if path is None and not child._buffers and not module_hooks(child):
+                    # a Linear or an activation read here, as the call below would read it (one frame less each)
+                    ck = type(child)
+                    if ck is nn.Linear:
+                        _linear_step(child, steps, params)
+                        continue
+                    if ck in ACTIVATIONS:
+                        steps.append((_ACT, child))
+                        continue
                 inner = None if path is None else f"{path}.{name}" if path else name
                 f = _steps(child, inner, steps, params, False)
                 if f > feature:
@@ -179,6 +182,18 @@ def _steps(module, path, steps, params, top) -> int:
         "nn.Sequential of nn.Linear, nn.LayerNorm, nn.Identity, nn.Dropout and elementwise activations "
         "(physicsnemo_dp.fusion.ACTIVATIONS): wrap only such MLPs"
     )
+
+
+def _linear_step(module, steps, params) -> None:
+    """Append an ``nn.Linear``'s step and parameters (see :func:`_steps`)."""
+    own = module._parameters
+    w, b = (own["weight"], own["bias"]) if "weight" in own and "bias" in own else (module.weight, module.bias)
+    params.append(w)
+    if b is None:
+        steps.append((_LINEAR, 1, module.out_features))
+    else:
+        params.append(b)
+        steps.append((_LINEAR, 2, module.out_features))
 
 
 class _Named(Exception):
@@ -293,7 +308,7 @@ class _Enter(SubclassFunction):
         return to_layout(x, in_spec).detach()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return None, None, None
@@ -311,7 +326,7 @@ class _Leave(Function):
         return wrap(out.detach(), out_spec)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return None, None
@@ -351,7 +366,7 @@ class _Fused(SubclassFunction):
         return wrap(out.detach(), out_spec)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         n = len(ctx.leaves)
         if grad is None:
@@ -412,7 +427,11 @@ def _fused_forward(self, *args, **kwargs):
     shape = spec.global_shape
     if not shape:
         return type(self).forward(self, x)  # torch's own error
-    out_features = next((step[2] for step in reversed(steps) if step[0] is _LINEAR), shape[-1])
+    out_features = shape[-1]
+    for step in reversed(steps):
+        if step[0] is _LINEAR:
+            out_features = step[2]
+            break
     in_spec, out_spec, alone, same = _layouts(spec, out_features, spec.tensor_meta.dtype, feature)
     if not torch.is_grad_enabled() or not (grad or x.requires_grad):
         return wrap(_run(steps, to_layout(x, in_spec), [p.detach() for p in params]), out_spec)

@@ -135,7 +135,8 @@ def to_layout(x, spec, *, implicit: bool = True) -> torch.Tensor:
     value out of a tensor): a gather is then not reported as implicit
     (:mod:`physicsnemo_dp._gathers`).
     """
-    if x._spec.placements == spec.placements and x._spec.dim_sizes == spec.dim_sizes:
+    own = x._spec
+    if own is spec or (own.placements == spec.placements and own.dim_sizes == spec.dim_sizes):
         return x._local_tensor
     return redistribute_local(x._local_tensor, x._spec, spec, implicit=implicit)
 

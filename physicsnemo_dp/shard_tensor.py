@@ -62,6 +62,7 @@ _STRIDED = torch.strided
 
 
 _DETACH = torch.ops.aten.detach.default
+_ADD = torch.ops.aten.add.Tensor
 
 
 class ShardTensor(torch.Tensor):
@@ -113,7 +114,7 @@ class ShardTensor(torch.Tensor):
         )  # fmt: skip
         out._local_tensor = local_tensor
         out._spec = spec
-        if not _PATCHES["enabled"]:
+        if not _PATCHES["enabled"]:  # patches_enabled(), inlined: every op result comes here
             set_patches_enabled(True)
         return out
 
@@ -181,6 +182,15 @@ class ShardTensor(torch.Tensor):
             # call): the table's rule for detach (the local tensor detached, same spec) without its lookups.
             x = args[0]
             return ShardTensor._of_local(x._local_tensor.detach(), x._spec)
+        if func is _ADD and not kwargs and not registry.dispatch_handlers_registered():
+            # Two ShardTensors of one spec without pending sums (a residual add in forward, autograd's sum of a
+            # tensor's gradients in backward: most of a step's adds): the pointwise rule's answer, the local
+            # sum in that spec, without the way through the table and the rule (~1.5 us a call)
+            a, b = args
+            if type(a) is cls and type(b) is cls:
+                spec = a._spec
+                if b._spec is spec and not spec.has_partial:
+                    return cls._of_local(_ADD(a._local_tensor, b._local_tensor), spec)
         return handle_torch_dispatch(func, types, args, kwargs)
 
     def __matmul__(self, other):

@@ -75,11 +75,27 @@ def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
     if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
         grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
     made = _implicit_grads(tensors, grad_tensors)
+    if made is None and _own_layouts(tensors, grad_tensors):
+        made = grad_tensors
     grad_tensors = made if made is not None else _as_output_grads(tensors, grad_tensors)
     run_autograd_engine(
         tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph,
         inputs=inputs or (), accumulate_grad=True, made=made is not None,
     )
+
+
+def _own_layouts(outputs, grads) -> bool:
+    """Whether every gradient is a ShardTensor of its output's own spec (``y.backward(torch.ones_like(y))``).
+
+    Then torch's ``_make_grads`` would pass each through unchanged: its checks (same shape, both complex or
+    neither) hold by construction, and they cost five trips through ``__torch_function__`` (``dtype``,
+    ``is_nested``, ``shape``, ``size()``, ``dtype``).
+    """
+    ShardTensor = shard_tensor_cls()
+    for t, g in zip(outputs, grads):
+        if type(t) is not ShardTensor or type(g) is not ShardTensor or g._spec is not t._spec:
+            return False
+    return True
 
 
 def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):

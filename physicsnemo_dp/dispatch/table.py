@@ -62,15 +62,18 @@ def install(families, pointwise_rule) -> None:
 
 
 def lookup(func):
-    """The library rule for an ATen op, or None (memoised: the table is fixed once installed)."""
-    try:
-        return _CACHE[func]
-    except KeyError:
-        pass
+    """The library rule for an ATen op, or None (memoised: the table is fixed once installed).
+
+    Memoised by the op's ``id`` (the entry keeps the op alive and is checked by identity): an ``OpOverload``'s
+    ``__hash__`` is a Python call, and every dispatched op comes here.
+    """
+    hit = _CACHE.get(id(func))
+    if hit is not None and hit[0] is func:
+        return hit[1]
     rule = _RULES.get(func) or _RULES.get(getattr(func, "overloadpacket", None))
     if rule is None and _POINTWISE and propagation.is_elementwise(func):
         rule = _POINTWISE[0]
-    _CACHE[func] = rule
+    _CACHE[id(func)] = (func, rule)
     return rule
 
 

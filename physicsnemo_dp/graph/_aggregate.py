@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .._torch_compat import SubclassFunction, plain_eager
+from .._torch_compat import SubclassFunction, once_differentiable, plain_eager
 from ..rule_kit import normalize_dim, plain_gradient, resolve_partial, shard_tensor_cls, wrap
 from ._graph import GraphIndex, graph_of
 from ._requests import table
@@ -151,7 +151,7 @@ class _IndexAdd(SubclassFunction):
         return _local_index_add(gi, x, source)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return None, None, None, None

@@ -124,7 +124,7 @@ def _masked(func, types, args, kwargs, generic):
             return out  # not laid out as a graph's edge list: the generic result stands
         mark_mask(items[1], derived)
         return derived.edge_index
-    if len(items) == 1 and isinstance(items[0], shard_tensor_cls()) and items[0].dtype == torch.bool:
+    if len(items) == 1 and isinstance(items[0], shard_tensor_cls()) and items[0]._local_tensor.dtype == torch.bool:
         out = generic(func, types, args, kwargs)
         tag_masked(out, items[0])
         return out
@@ -141,6 +141,13 @@ def _functions():
 
     def getitem(func, types, args, kwargs):
         x, index = args
+        ShardTensor = shard_tensor_cls()
+        if type(index) is ShardTensor and type(x) is ShardTensor:
+            # x[g.src] with x in the graph's node layout (its spec is the graph's own): what the checks below
+            # conclude for it (not a mask, one index tensor, x readable), decided by two identities
+            gi = graph_of(index)
+            if gi is not None and x._spec.global_shape and gi.graph.is_node_spec(x._spec):
+                return GraphRows.apply(x, gi)
         out = _masked(func, types, args, kwargs, generic[func])
         if out is not None:
             return out

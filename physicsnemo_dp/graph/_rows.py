@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_compat import Function
+from .._torch_compat import SubclassFunction
 from ..rule_kit import to_layout, wrap
 from ._graph import GraphIndex
 from ._requests import fetch_rows, return_grads, table
@@ -61,7 +61,7 @@ def rows_backward(gi: GraphIndex, grad_local: torch.Tensor) -> torch.Tensor:
     return return_grads(g.plan, grad_local)
 
 
-class GraphRows(Function):
+class GraphRows(SubclassFunction):
     """Differentiable :func:`graph_rows`: ``x[g.src]`` / ``x[g.dst]`` on node-layout ``x``."""
 
     @staticmethod

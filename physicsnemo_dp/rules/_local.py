@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .._torch_compat import Function
+from .._torch_compat import Function, once_differentiable
 from ..promotion import promote
 from ..rule_kit import grad_like, shard_tensor_cls, to_layout, unshard_target, wrap
 
@@ -178,7 +178,7 @@ class LocalCall(Function):
         return results if len(results) > 1 else results[0]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad, *_):
         n = len(ctx.leaves)
         if grad is None:

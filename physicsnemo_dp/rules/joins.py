@@ -59,7 +59,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from .. import _intervals, _layout, collectives
 from .._redistribute import redistribute_local
 from .._reshape import nested_chunks
-from .._torch_compat import SubclassFunction, plain_eager, torch_function_disabled
+from .._torch_compat import SubclassFunction, once_differentiable, plain_eager, torch_function_disabled
 from ..propagation import OpPlan, cached, collective_step, freeze, moves, redistribution_steps, replicated
 from ..rule_kit import normalize_dim, plain_gradient, shard_tensor_cls, unshard_target, wrap
 from ..spec import ShardTensorSpec
@@ -530,7 +530,7 @@ class _SameCat(SubclassFunction):
         return wrap(torch.cat([t._local_tensor for t in tensors], d), out_spec)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         n = len(ctx.specs)
         if grad is None:
@@ -548,7 +548,7 @@ class _SameCat(SubclassFunction):
                 for o, s, need in zip(offsets, ctx.sizes, ctx.needs_input_grad[4:])
             )
         needs = ctx.needs_input_grad
-        pieces = torch.split(grad._local_tensor, ctx.sizes, ctx.d)
+        pieces = grad._local_tensor.split_with_sizes(ctx.sizes, ctx.d)  # torch.split, two Python frames less
         return (None,) * 4 + tuple(
             wrap(p, s) if needs[4 + i] else None for i, (p, s) in enumerate(zip(pieces, ctx.specs))
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from .._torch_compat import plain_eager, torch_function_disabled
+from ..dispatch.registry import dispatch_handlers_registered
 from ..rule_kit import replicated_to_box, shard_tensor_cls, to_layout, wrap
 
 aten = torch.ops.aten
@@ -114,3 +116,23 @@ RULES = {
     aten.copy_.default: _copy_,
     aten.zero_.default: _in_place_fill,  # fill/fill_: rules/pointwise.py (a ShardTensor value may be pending)
 }
+
+
+# --------------------------------------------------------------------------- #
+# Function level: ``torch.zeros_like(x)`` / ``torch.ones_like(x)`` without a trip through the dispatcher
+# --------------------------------------------------------------------------- #
+def _like_function(func, types, args, kwargs):
+    """``torch.zeros_like(x)`` / ``torch.ones_like(x)`` of a ShardTensor, with no other argument: what the
+    dispatch-level rule (:func:`_factory_like`) gives, computed here (no gradient is recorded for a factory, so
+    the way down through autograd and the dispatcher, ~8 us a call, does nothing but cost). Any other call, and
+    any call a dispatch handler, a dispatch mode, torch.compile or a functorch transform must see, takes that way."""
+    if len(args) == 1 and not kwargs and type(args[0]) is shard_tensor_cls() and plain_eager() and not (
+        dispatch_handlers_registered()
+    ):
+        x = args[0]
+        return wrap(func(x._local_tensor), _without_partial(x._spec))
+    with torch_function_disabled():
+        return func(*args, **kwargs)
+
+
+FUNCTIONS = {torch.zeros_like: _like_function, torch.ones_like: _like_function}

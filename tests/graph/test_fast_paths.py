@@ -114,3 +114,65 @@ def test_fast_paths_with_gradients_in_another_layout(ctx):
     assert fast._spec.placements == general._spec.placements
     assert torch.equal(fast._local_tensor, general._local_tensor)
     torch.testing.assert_close(fast.full_tensor(), torch.full_like(fast.full_tensor(), 0.5 * (1 + 3) + 0.5))
+
+
+@distributed
+def test_graph_reads_skip_the_generic_checks_and_graph_of_is_kept(ctx):
+    """``x[g.src]`` / ``x[g.dst]`` with ``x`` in the graph's own node layout go straight to the graph read
+    (no mask or index analysis: ``_masked`` is not called), with the general path's values and gradients;
+    ``x`` in another layout takes the general path. ``graph_of`` keeps its answer on the index tensor and
+    still refuses an index written in place."""
+    import pytest
+
+    from physicsnemo_dp.errors import PlacementError
+    from physicsnemo_dp.graph import _graph
+
+    case = random_case(ctx.mesh, 29, 70, 65)
+    gen = torch.Generator().manual_seed(9)
+    x_full = torch.randn(case.num_nodes, F, dtype=torch.float64, generator=gen)
+    g = build_graph(case.given(), case.shard_nodes(ctx.mesh, x_full))
+    results = {}
+    for fast in (True, False):
+        x = case.shard_nodes(ctx.mesh, x_full).requires_grad_()
+        assert (x._spec is g.node_spec(tuple(x.shape), x.dtype)) is True  # the graph's own node layout (memoised)
+        masked, calls = _dispatch._masked, []
+
+        def counting(*args, masked=masked, calls=calls):
+            calls.append(1)
+            return masked(*args)
+
+        _dispatch._masked = counting
+        if not fast:
+            g.__dict__["_row_specs"] = {}  # the identity test finds nothing: the general checks run
+        try:
+            rows = x[g.src] * 2 + x[g.dst]
+        finally:
+            _dispatch._masked = masked
+        assert len(calls) == (0 if fast else 2)
+        (rows * rows).sum().backward()
+        results[fast] = (rows._local_tensor, x.grad._local_tensor)
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    order = case.order()
+    torch.testing.assert_close(rows.full_tensor(), x_full[case.src[order]] * 2 + x_full[case.dst[order]])
+    # another layout of x: the general path (replicated over the graph's dim reads its rows directly)
+    if ctx.mesh.ndim == 1 and ctx.world_size > 1:
+        rep = case.shard_nodes(ctx.mesh, x_full).redistribute(placements=[Replicate()])
+        masked, calls = _dispatch._masked, []
+        _dispatch._masked = lambda *args: calls.append(1) or masked(*args)
+        try:
+            out = rep[g.src]
+        finally:
+            _dispatch._masked = masked
+        assert calls == [1]
+        torch.testing.assert_close(out.full_tensor(), x_full[case.src[order]])
+    # graph_of: the second look-up does not search the storage; an in-place write is still refused
+    tagged, seen = _graph.tagged_graph, []
+    _graph.tagged_graph = lambda t: seen.append(1) or tagged(t)
+    try:
+        assert _graph.graph_of(g.src) is _graph.graph_of(g.src)
+    finally:
+        _graph.tagged_graph = tagged
+    assert seen == []  # both answered from the memo left by the reads above
+    g.src.add_(0)
+    with pytest.raises(PlacementError, match="modified in place"):
+        x[g.src]

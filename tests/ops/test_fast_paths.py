@@ -14,6 +14,7 @@ for ShardTensor weights, autocast, other promotion modes, keyword calls and
 user handlers.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
@@ -419,3 +420,177 @@ def test_linear_reductions_run_their_rule_without_the_dispatcher(ctx):
     finally:
         dispatch_handlers.unregister(aten.mean.dim)
     assert handled == [aten.mean.dim]
+
+
+# --------------------------------------------------------------------------- #
+# Per-step costs below the op: gradient sums, *_like factories, the backward entry, autograd Functions
+# --------------------------------------------------------------------------- #
+class _Count:
+    """Wrap ``owner.name`` with a call counter (``calls``); ``restore()`` puts the original back."""
+
+    def __init__(self, owner, name, fail=False):
+        self.owner, self.name, self.calls = owner, name, 0
+        self.original = getattr(owner, name)
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            if fail:
+                raise AssertionError(f"{name} was called: the fast path was not taken")
+            return self.original(*args, **kwargs)
+
+        setattr(owner, name, counting)
+
+    def restore(self):
+        setattr(self.owner, self.name, self.original)
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=True)
+def test_step_fast_paths_are_taken_and_step_aside(ctx):
+    """Same-spec ``a + b`` below autograd (forward adds and autograd's gradient sums), ``zeros_like`` /
+    ``ones_like`` above the dispatcher, and the backward entry without ``_make_grads``: taken on every mesh,
+    the full tensor's values and gradients; the general route for pending sums, other layouts, keyword
+    calls, dispatch handlers and modes, and outside plain eager code; the same results in the checking
+    mode and under autocast."""
+    import physicsnemo_dp
+    from physicsnemo_dp.dispatch import torch_dispatch
+    from physicsnemo_dp.rules import pointwise, tensor_like
+
+    G = integer_tensor((7, 5), seed=3) / 4
+    placements = (Shard(0),) * ctx.mesh.ndim if ctx.mesh.ndim == 1 else (Shard(0), Shard(1))
+    spec = make_spec(ctx.mesh, placements, G.shape)
+    for checking in (False, True):
+        with physicsnemo_dp.debug.checks(checking):
+            # the add: forward and the gradient sum of a tensor used twice, never through the general loop
+            general = _Count(pointwise, "_same_spec_fast_path", fail=True)
+            make_grads = _Count(torch.autograd, "_make_grads")
+            try:
+                x = shard_from_global(G, spec, requires_grad=True)
+                y = x * x + x  # x's three gradients are summed by autograd
+                y.backward(torch.ones_like(y))
+            finally:
+                general.restore()
+                make_grads.restore()
+            assert make_grads.calls == 0  # a gradient in the output's own layout needs no _make_grads
+            ref = G.clone().requires_grad_()
+            (ref * ref + ref).backward(torch.ones_like(ref))
+            assert torch.allclose(y.full_tensor(), G * G + G)
+            assert torch.allclose(x.grad.full_tensor(), ref.grad)
+    # the add steps aside: a pending sum, another layout (the general rule redistributes)
+    general = _Count(pointwise, "_same_spec_fast_path")
+    try:
+        p = shard_from_global(G, make_spec(ctx.mesh, (Partial(),) * ctx.mesh.ndim, G.shape))
+        other = shard_from_global(G, make_spec(ctx.mesh, (Replicate(),) * ctx.mesh.ndim, G.shape))
+        summed, mixed = p + p, shard_from_global(G, spec) + other
+    finally:
+        general.restore()
+    assert general.calls == 2
+    assert torch.allclose(summed.full_tensor(), 2 * p.full_tensor()) and torch.allclose(mixed.full_tensor(), 2 * G)
+    # a plain gradient or one of another layout goes through torch's checks
+    make_grads = _Count(torch.autograd, "_make_grads")
+    try:
+        x = shard_from_global(G, spec, requires_grad=True)
+        (x * 2).backward(torch.ones(G.shape, dtype=G.dtype))
+        (x * 2).backward(shard_from_global(torch.ones_like(G), make_spec(ctx.mesh, (Replicate(),) * ctx.mesh.ndim, G.shape)))
+    finally:
+        make_grads.restore()
+    assert make_grads.calls == 2 and torch.allclose(x.grad.full_tensor(), torch.full_like(G, 4.0))
+    # zeros_like / ones_like: no trip through the dispatcher, the dispatch rule's layout; the usual route otherwise
+    pending = shard_from_global(G, make_spec(ctx.mesh, (Partial(),) * ctx.mesh.ndim, G.shape))
+    for factory, value in ((torch.zeros_like, 0.0), (torch.ones_like, 1.0)):
+        x = shard_from_global(G, spec)
+        dispatched = _Count(torch_dispatch.table, "lookup")
+        try:
+            fast = factory(x)
+            replicated = factory(pending)  # a pending sum's factory is whole: Replicate
+        finally:
+            dispatched.restore()
+        assert dispatched.calls == 0
+        assert fast._spec is spec and torch.equal(fast.full_tensor(), torch.full_like(G, value))
+        assert all(type(q) is Replicate for q in replicated._spec.placements)
+        with _Seen() as seen:
+            factory(x)
+        assert seen.shard_ops == 1  # a dispatch mode sees the ATen op
+        dispatched = _Count(torch_dispatch.table, "lookup")
+        eager = tensor_like.plain_eager
+        tensor_like.plain_eager = lambda: False  # as while torch.compile traces
+        try:
+            cast, usual = factory(x, dtype=torch.float32), factory(x)
+        finally:
+            tensor_like.plain_eager = eager
+            dispatched.restore()
+        assert dispatched.calls == 2 and cast.dtype == torch.float32 and usual._spec is spec
+        assert torch.equal(usual.full_tensor(), torch.full_like(G, value))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert factory(x).dtype == G.dtype
+        called = []
+        op = aten.zeros_like.default if factory is torch.zeros_like else aten.ones_like.default
+
+        def handler(func, types, args, kwargs, called=called):
+            called.append(func)
+            return tensor_like._factory_like(func, args, kwargs)
+
+        ShardTensor.register_dispatch_handler(op, handler)
+        try:
+            factory(x)
+        finally:
+            from physicsnemo_dp.dispatch.registry import dispatch_handlers
+
+            dispatch_handlers.unregister(op)
+        assert called == [op]
+    # the same-spec add below autograd is the pointwise rule's answer, and a dispatch handler for it is called
+    assert torch_dispatch.table.lookup(aten.add.Tensor) is pointwise.pointwise_rule
+    called = []
+
+    def add_handler(func, types, args, kwargs):
+        called.append(func)
+        return pointwise.pointwise_rule(func, args, kwargs)
+
+    ShardTensor.register_dispatch_handler(aten.add.Tensor, add_handler)
+    try:
+        x = shard_from_global(G, spec, requires_grad=True)
+        (x + x).sum().backward()
+    finally:
+        from physicsnemo_dp.dispatch.registry import dispatch_handlers
+
+        dispatch_handlers.unregister(aten.add.Tensor)
+    assert called and called[0] is aten.add.Tensor and torch.allclose(x.grad.full_tensor(), torch.full_like(G, 2.0))
+
+
+@distributed(world_sizes=(1,), mesh_2d=False)
+def test_library_functions_call_autograd_directly_and_refuse_a_double_backward(ctx):
+    """Library autograd Functions in the ``forward(ctx, ...)`` style go straight to autograd's C++ ``apply``
+    (torch's unwraps dead functorch wrappers with a generator first), their nodes call ``backward`` without
+    torch's per-call lookup, and ``once_differentiable`` still refuses a second differentiation."""
+    from physicsnemo_dp import _torch_compat, fusion
+    from physicsnemo_dp.rules.joins import _SameCat
+
+    for cls in (_SameCat, fusion._Enter, fusion._Leave, fusion._Fused):
+        assert cls._backward_cls.apply is _torch_compat._backward_apply, cls
+        assert _torch_compat._binds_to_itself(cls, 4)
+
+    class WithVjp(_torch_compat.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def vjp(ctx, g):
+            return g * 2
+
+    assert WithVjp._backward_cls.apply is torch.autograd.function.BackwardCFunction.apply
+    x0 = torch.ones(3, requires_grad=True)
+    WithVjp.apply(x0).sum().backward()
+    assert torch.equal(x0.grad, torch.full((3,), 2.0))
+    G = integer_tensor((4, 3), seed=5)
+    x = shard_from_global(G, make_spec(ctx.mesh, (Shard(0),), G.shape), requires_grad=True)
+    unwrap = _Count(torch._functorch.utils, "unwrap_dead_wrappers")
+    try:
+        y = torch.cat([x, x * 2], dim=1)  # _SameCat
+    finally:
+        unwrap.restore()
+    assert unwrap.calls == 0 and type(y.grad_fn).apply is _torch_compat._backward_apply
+    v = torch.ones_like(y).requires_grad_()  # an upstream gradient that requires grad: a graph to differentiate
+    (g,) = torch.autograd.grad(y, x, v, create_graph=True)
+    assert torch.equal(g.full_tensor(), torch.full_like(G, 3.0)) and g.requires_grad
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        g.sum().backward()

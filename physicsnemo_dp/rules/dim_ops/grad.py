@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._redistribute import grad_layout
-from ..._torch_compat import Function, non_differentiable, torch_function_disabled
+from ..._torch_compat import Function, non_differentiable, once_differentiable, torch_function_disabled
 from ...rule_kit import normalize_dim, shard_tensor_cls, unshard_dims, wrap
 from . import scans, select
 from ._common import local_as, move
@@ -61,7 +61,7 @@ class _AlongDim(Function):
             ctx.values_spec = output._spec
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad, *_):
         x, *indices = ctx.saved_tensors
         d = normalize_dim(dict(ctx.op.kwargs)["dim"], x.ndim)

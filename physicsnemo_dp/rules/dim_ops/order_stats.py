@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from ..._redistribute import grad_layout
-from ..._torch_compat import Function, non_differentiable, torch_function_disabled
+from ..._torch_compat import Function, non_differentiable, once_differentiable, torch_function_disabled
 from ...rule_kit import bind_args, meta_output, normalize_dim, shard_tensor_cls, to_layout, unshard_dims, wrap
 from ..views import derived_spec, without_dim
 from ._common import local_as, move, resized
@@ -93,7 +93,7 @@ class _Pick(Function):
         ctx.keepdim, ctx.spec, ctx.values_spec, ctx.x_spec = kw["keepdim"], spec, values._spec, x._spec
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad, *_):
         (indices,) = ctx.saved_tensors
         g = local_as(grad, ctx.values_spec) if isinstance(grad, shard_tensor_cls()) else grad

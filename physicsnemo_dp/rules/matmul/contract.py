@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ... import _gathers
 from ..._redistribute import grad_layout, redistribute_local
-from ..._torch_compat import SubclassFunction
+from ..._torch_compat import SubclassFunction, once_differentiable
 from ...rule_kit import grad_like, grad_like_is_identity, shard_tensor_cls, wrap
 from .labels import NO_FREE, label_extents, plan_contraction
 from .local import direct_kernel, local_program
@@ -227,7 +227,7 @@ class Contraction(SubclassFunction):
             ctx.save_for_backward(*[_compact(x) if wanted > n else None for x, n in zip(inputs[4:], needs[4:])])
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         ShardTensor = shard_tensor_cls()
         prepared, alpha, beta, bias_spec, out_spec = ctx.call

@@ -222,7 +222,8 @@ def _rank_main(rank, world, port, backend, mesh_shape, mesh_names, payload, conn
             timeout=timedelta(seconds=timeout_s),
         )
         mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_names))
-        dist.barrier()  # no rank runs fn before every rank has joined: a failed join leaves nothing run
+        # no rank runs fn before every rank has joined: a failed join leaves nothing run
+        dist.barrier(device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None)
         joining = False
         outcome = ("result", cloudpickle.dumps(_to_cpu(fn(mesh, *args, **kwargs))))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent

@@ -223,6 +223,15 @@ def _same_layout_cat(draw, mesh_shape):
     return [first, second], {"dim": d - len(shape) if draw(st.booleans()) else d}
 
 
+def _same_spec_pair(draw, mesh_shape):
+    """Two operands of one spec (shape, placements, shard sizes), each rank's pieces in their own memory layouts:
+    ``add`` of such operands is answered in ``ShardTensor.__torch_dispatch__`` (the residual adds and autograd's
+    gradient sums of a step)."""
+    first = draw_input(draw, draw(dims()), mesh_shape)
+    second = draw_input(draw, first.shape, mesh_shape)
+    return [first, replace(second, placements=first.placements, dim_sizes=first.dim_sizes)], {}
+
+
 def _narrow_args(draw, shape):
     d = draw(st.integers(0, len(shape) - 1))
     start = draw(st.integers(0, shape[d]))
@@ -240,6 +249,10 @@ def _nonempty_shape():
 
 #: Drawn on its own (tests/properties/test_joins.py): the function-level fast path of same-layout operands.
 SAME_LAYOUT_CAT = {"cat_same_layout": Op(lambda x, y, dim: torch.cat([x, y], dim), _same_layout_cat, ANY)}
+
+#: Drawn on its own (tests/properties/test_pointwise.py): ``x + y + x`` of one spec: the forward adds and, in
+#: backward, the sum of ``x``'s two gradients, all of one spec.
+SAME_SPEC_ADD = {"add_same_spec": Op(lambda x, y: x + y + x, _same_spec_pair, ANY)}
 
 JOINS = {
     "cat": Op(lambda x, y, dim: torch.cat([x, y], dim), _cat_pair(stack=False), ANY),
@@ -538,7 +551,7 @@ GLOO_DTYPES = {
     "view_int16": Op(lambda x: x.view(torch.int16), _unary(), ("bfloat16",), grad=False),
 }
 
-_TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, SAME_LAYOUT_CAT, MATMUL, DIM_OPS,
+_TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, SAME_LAYOUT_CAT, SAME_SPEC_ADD, MATMUL, DIM_OPS,
            INDEXING, TENSOR_LIKE, KNOWN_TENSOR_LIKE, SPATIAL, ATTENTION, LAYOUTS, GLOO_DTYPES)
 #: Every op by name: ranks look a case's op up here.
 OPS = {name: op for table in _TABLES for name, op in table.items()}

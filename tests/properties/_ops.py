@@ -274,6 +274,14 @@ def _matmul_case(draw, mesh_shape):
     return [draw_input(draw, (*batch, m, k), mesh_shape), draw_input(draw, (*b_batch, k, n), mesh_shape, plain=plain)], {}
 
 
+def _plain_weight_case(draw, mesh_shape):
+    """``x`` a ShardTensor of any layout, ``w`` a plain tensor (a parameter): the contraction's fast path."""
+    m, k, n = (draw(st.integers(0, 4)) for _ in range(3))
+    batch = draw(st.sampled_from([(), (2,), (1,), (2, 3)]))
+    w_batch = draw(st.sampled_from([(), batch[-1:] if batch else ()]))
+    return [draw_input(draw, (*batch, m, k), mesh_shape), draw_input(draw, (*w_batch, k, n), mesh_shape, plain=True)], {}
+
+
 def _linear_case(draw, mesh_shape):
     shape = draw(dims(min_ndim=1, max_ndim=3))
     out = draw(st.integers(0, 4))
@@ -293,6 +301,12 @@ MATMUL = {
     "einsum_bij_bjk_sum": Op(lambda x, y: torch.einsum("bij,bjk->k", x, y), _einsum_case, ANY),
 }
 
+#: Drawn on its own (tests/properties/test_matmul.py): a plain weight, served before promotion by the
+#: contraction's fast path, through ``torch.matmul`` and through ``ShardTensor.__matmul__``.
+PLAIN_WEIGHT_PRODUCT = {
+    "matmul_plain_weight": Op(torch.matmul, _plain_weight_case, ANY),
+    "matmul_operator_plain_weight": Op(lambda x, w: x @ w, _plain_weight_case, ANY),
+}
 
 # ------------------------------------------------------------------ dim ops
 def _topk_args(draw, shape):
@@ -551,7 +565,7 @@ GLOO_DTYPES = {
     "view_int16": Op(lambda x: x.view(torch.int16), _unary(), ("bfloat16",), grad=False),
 }
 
-_TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, SAME_LAYOUT_CAT, SAME_SPEC_ADD, MATMUL, DIM_OPS,
+_TABLES = (POINTWISE, KNOWN_POINTWISE, ZERO_DIM_PLAIN_GRAD, REDUCTIONS, VIEWS, KNOWN_VIEWS, JOINS, SAME_LAYOUT_CAT, SAME_SPEC_ADD, MATMUL, PLAIN_WEIGHT_PRODUCT, DIM_OPS,
            INDEXING, TENSOR_LIKE, KNOWN_TENSOR_LIKE, SPATIAL, ATTENTION, LAYOUTS, GLOO_DTYPES)
 #: Every op by name: ranks look a case's op up here.
 OPS = {name: op for table in _TABLES for name, op in table.items()}

@@ -52,8 +52,10 @@ __all__ = [
     "compile_counts",
     "pad_builtin",
     "assert_in_graph",
-    "fused_cpu_attention",
-    "fused_cpu_attention_backward",
+    "fused_attention_fits",
+    "fused_attention",
+    "fused_attention_backward",
+    "efficient_lse_rows",
     "default_store",
     "torch_function_state",
     "torch_function_state_as",
@@ -519,13 +521,61 @@ def run_autograd_engine(
     )
 
 
-def fused_cpu_attention(q, k, v, causal: bool, scale: float):
-    """PyTorch's fused (flash) CPU attention kernel on 4-D inputs: ``(out, lse)``, no score matrix held."""
+#: dtypes torch's memory-efficient CUDA kernel takes
+_EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_attention_fits(q, k, v, causal: bool) -> bool:
+    """Whether :func:`fused_attention` runs a fused kernel on 4-D ``q, k, v`` (else the caller's math path).
+
+    CPU (and meta, on which ``debug.simulate`` plays a CPU mesh): the flash CPU kernel takes any
+    floating dtype. CUDA: the memory-efficient kernel, where torch's own selector says it can run on
+    these tensors (dtype, head size, alignment, the device's capability, ``sdpa_kernel`` settings).
+    """
+    kind = q.device.type
+    if kind in ("cpu", "meta"):
+        return True
+    if kind != "cuda" or q.dtype not in _EFFICIENT_DTYPES:
+        return False
+    # the kernel gets (N, 1, n, E) tensors of q's dtype, unit stride along E: asked about such tensors
+    q4, k4, v4 = (q.new_empty((1, 1, t.shape[-2], t.shape[-1])) for t in (q, k, v))
+    return torch.backends.cuda.can_use_efficient_attention(torch.backends.cuda.SDPAParams(q4, k4, v4, None, 0.0, causal, False))
+
+
+def efficient_lse_rows(rows: int) -> int:
+    """Rows of the memory-efficient kernel's log-sum-exp: the query count rounded up to 32 (as is on ROCm)."""
+    return rows if torch.version.hip and torch.cuda.is_available() else -(-rows // 32) * 32
+
+
+def fused_attention(q, k, v, causal: bool, scale: float):
+    """torch's fused attention kernel for ``q``'s device on 4-D inputs: ``(out, lse (N, H, L))``, no score matrix held.
+
+    CPU: the flash CPU kernel. CUDA: the memory-efficient kernel with its
+    log-sum-exp (its rows past the query count, padding, are cut). Both are
+    causal from the top-left corner, as the tiles' parts assume.
+    """
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse.narrow(-1, 0, q.shape[-2])
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-def fused_cpu_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """The kernel's backward: ``(dq, dk, dv)`` of one key block, given the queries' *final* ``out`` and ``lse``."""
+def fused_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """The kernel's backward: ``(dq, dk, dv)`` of one key block, given the queries' *final* ``out`` and ``lse``.
+
+    With the final ``lse`` the kernel's probabilities are the block's share
+    of the whole softmax, so a block's gradients add up across blocks. On CUDA
+    ``lse`` is padded as the forward kernel returns it (``inf``), and the
+    dropout state the kernel's schema takes is a placeholder it does not read
+    (no dropout).
+    """
+    if q.device.type == "cuda":
+        rows = lse.shape[-1]
+        lse = torch.nn.functional.pad(lse, (0, efficient_lse_rows(rows) - rows), value=float("inf")).contiguous()
+        seed, offset = (torch.empty((), dtype=torch.int64, device=q.device) for _ in range(2))
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        )[:3]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )

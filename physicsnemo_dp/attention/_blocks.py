@@ -23,9 +23,10 @@ key head) and head broadcasting are plain matmul broadcasting. The plain
 PyTorch ops used here run on every device and dtype; half types are computed
 in float32.
 
-On CPU, tiles without a user mask (and with equal query and value head
-sizes) run on PyTorch's fused flash kernel instead, which never holds a tile
-of scores: a causal tile is cut into a fully visible part and a part causal
+Tiles without a user mask (and with equal query and value head sizes) run
+on PyTorch's fused kernel for their device instead (CPU: the flash kernel;
+CUDA: the memory-efficient kernel, where torch's selector accepts the
+tensors), which never holds a tile of scores: a causal tile is cut into a fully visible part and a part causal
 from its top-left corner, the two patterns the kernel knows. Its backward
 takes the queries' final ``out`` and ``lse``, exactly the flash
 recomputation above, so it needs the output to be exact on this rank (not a
@@ -39,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from .._torch_compat import fused_cpu_attention, fused_cpu_attention_backward
+from .._torch_compat import fused_attention, fused_attention_backward, fused_attention_fits
 
 NEG_INF = float("-inf")
 
@@ -134,13 +135,13 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_t: torch.Tensor, lse_t:
     lse.copy_(new)
 
 
-def _fused(q, v, mask) -> bool:
-    """Whether tiles can run on the fused CPU kernel (see the module doc).
+def _fused(q, k, v, mask) -> bool:
+    """Whether tiles can run on torch's fused kernel for their device (see the module doc).
 
     Meta tensors too: ``debug.simulate`` plays a CPU mesh on them and must take the CPU run's kernel (the
     kernel and its backward have meta implementations), or it counts the math path's score tiles instead.
     """
-    return mask is None and q.device.type in ("cpu", "meta") and q.shape[-1] == v.shape[-1]
+    return mask is None and q.shape[-1] == v.shape[-1] and fused_attention_fits(q, k, v, False)
 
 
 def _kernel_parts(tile: Tile) -> list[tuple[Tile, bool]]:
@@ -171,8 +172,12 @@ def _kernel_memory(t: torch.Tensor) -> torch.Tensor:
     ``F.scaled_dot_product_attention`` checks this before it picks the kernel
     (and falls back to the math path); calling the kernel directly skips
     that check, so every tensor handed to it passes here. Any other strides,
-    gaps and storage offsets are read correctly, so only this case copies.
+    gaps and storage offsets are read correctly, so only this case copies on
+    CPU. The CUDA kernel gets contiguous tensors: its fast variants need aligned
+    rows, which a tile cut from a block need not have.
     """
+    if t.device.type == "cuda":
+        return t.contiguous()
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -187,13 +192,13 @@ def attend(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile], scale: 
     ``q`` is in the compute dtype; ``k``, ``v`` and ``mask`` (boolean: True =
     visible, or additive) may be in any dtype and are converted per tile.
     """
-    fused = _fused(q, v, mask)
+    fused = _fused(q, k, v, mask)
     for tile in tiles:
         for part, causal in _kernel_parts(tile) if fused else [(tile, None)]:
             qt, kt, vt, mt = _tile_inputs(q, k, v, mask, rows0, cols0, part)
             if fused:
                 batch = torch.broadcast_shapes(qt.shape[:-2], kt.shape[:-2])
-                o, l = fused_cpu_attention(_flat(qt, batch), _flat(kt.to(qt.dtype), batch),
+                o, l = fused_attention(_flat(qt, batch), _flat(kt.to(qt.dtype), batch),
                                            _flat(vt.to(qt.dtype), batch), causal, scale)  # fmt: skip
                 out_t, lse_t = o.reshape(*batch, *o.shape[-2:]), l.reshape(*batch, l.shape[-1])
             else:
@@ -212,7 +217,7 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
 def one_call(q, k, v, mask, tiles: Sequence[Tile]):
     """``(batch, causal)`` when block ``(k, v)`` is one fused-kernel call covering every query row and key, else None.
 
-    That is a single tile of the whole block (no user mask, CPU) that the
+    That is a single tile of the whole block (no user mask, a fused kernel) that the
     kernel computes in one part: fully visible, or causal from its top-left
     corner. Then the tile's ``(out, lse)`` and gradients *are* the result:
     nothing to merge into running accumulators or to add into zeros
@@ -220,7 +225,7 @@ def one_call(q, k, v, mask, tiles: Sequence[Tile]):
     (merging into ``out = 0, lse = -inf`` gives the tile's values bit for
     bit) and saves the accumulators' allocations and a dozen small ops.
     """
-    if len(tiles) != 1 or not _fused(q, v, mask):
+    if len(tiles) != 1 or not _fused(q, k, v, mask):
         return None
     parts = _kernel_parts(tiles[0])
     if len(parts) != 1:
@@ -236,7 +241,7 @@ def one_call(q, k, v, mask, tiles: Sequence[Tile]):
 
 def attend_whole(q, k, v, batch, causal: bool, scale: float):
     """``(out, lse)`` of queries ``q`` on the whole block ``(k, v)`` in one kernel call (see :func:`one_call`)."""
-    o, l = fused_cpu_attention(_flat(q, batch), _flat(k.to(q.dtype), batch), _flat(v.to(q.dtype), batch), causal, scale)
+    o, l = fused_attention(_flat(q, batch), _flat(k.to(q.dtype), batch), _flat(v.to(q.dtype), batch), causal, scale)
     return o.reshape(*batch, *o.shape[-2:]).contiguous(), l.reshape(*batch, l.shape[-1]).contiguous()
 
 
@@ -247,7 +252,7 @@ def attend_backward_whole(q, k, v, batch, causal: bool, scale: float, dout, out,
     what follows sees the same tensors as on the general path.
     """
     rows = q.shape[-2]
-    grads = fused_cpu_attention_backward(
+    grads = fused_attention_backward(
         _flat(dout, batch), _flat(q, batch), _flat(k.to(q.dtype), batch), _flat(v.to(q.dtype), batch),
         _flat(out, batch), _kernel_memory(lse.expand(*batch, rows).reshape(-1, 1, rows)), causal, scale,
     )  # fmt: skip
@@ -257,9 +262,9 @@ def attend_backward_whole(q, k, v, batch, causal: bool, scale: float, dout, out,
     return dq, gk.sum_to_size(k.shape).contiguous(), gv.sum_to_size(v.shape).contiguous()
 
 
-def needs_delta(q, v, mask, out) -> bool:
+def needs_delta(q, k, v, mask, out) -> bool:
     """Whether :func:`attend_backward` reads ``delta``: not when its tiles run on the fused kernel (given ``out``)."""
-    return out is None or not _fused(q, v, mask)
+    return out is None or not _fused(q, k, v, mask)
 
 
 class _Target:
@@ -297,7 +302,7 @@ def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile]
     block-sized accumulator is needed.
     """
     target = _Target(into, k, v, dq)
-    fused = out is not None and _fused(q, v, mask)
+    fused = out is not None and _fused(q, k, v, mask)
     dk = dv = None
     for tile in tiles:
         for part, causal in _kernel_parts(tile) if fused else [(tile, None)]:
@@ -305,7 +310,7 @@ def attend_backward(q, k, v, mask, rows0: int, cols0: int, tiles: Sequence[Tile]
             rows = slice(part.q_start, part.q_start + part.q_len)
             if fused:
                 batch = torch.broadcast_shapes(qt.shape[:-2], kt.shape[:-2])
-                grads = fused_cpu_attention_backward(
+                grads = fused_attention_backward(
                     _flat(dout[..., rows, :], batch), _flat(qt, batch), _flat(kt.to(qt.dtype), batch),
                     _flat(vt.to(qt.dtype), batch), _flat(out[..., rows, :], batch),
                     _kernel_memory(lse[..., rows].expand(*batch, part.q_len).reshape(-1, 1, part.q_len)), causal, scale,

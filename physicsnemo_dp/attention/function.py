@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_compat import Function, fused_cpu_attention, fused_cpu_attention_backward, non_differentiable
+from .._torch_compat import Function, fused_attention, fused_attention_backward, non_differentiable
 from ..rule_kit import wrap
 from ._blocks import _kernel_memory, compute_dtype, one_call
 from ._common import grouped, local_grad, ungrouped_grads
@@ -59,7 +59,7 @@ class SDPAFunction(Function):
 
 
 def _whole_call(q, k, v, mask, ap: AttentionPlan):
-    """``causal`` (a bool) when the call is one fused CPU kernel call on the local tensors as they are, else None.
+    """``causal`` (a bool) when the call is one fused kernel call on the local tensors as they are, else None.
 
     That is: the keys are whole on this rank (the local kind, or a ring of one rank), one tile covers every
     query and key and the kernel computes it in one part (fully visible, or causal from its top-left corner),
@@ -84,7 +84,7 @@ def _whole_call(q, k, v, mask, ap: AttentionPlan):
 
 
 class WholeAttention(Function):
-    """``(q, k, v)`` ShardTensors whose attention is one fused CPU kernel call (:func:`_whole_call`) -> ``(output, lse)``.
+    """``(q, k, v)`` ShardTensors whose attention is one fused kernel call (:func:`_whole_call`) -> ``(output, lse)``.
 
     The kernel's output, log-sum-exp and gradients are those of :class:`SDPAFunction`'s one-call path
     (the same kernel per head, without regrouping the heads into the kernel's batch dim), laid out as the
@@ -94,7 +94,7 @@ class WholeAttention(Function):
 
     @staticmethod
     def forward(q, k, v, causal, ap: AttentionPlan):
-        out, lse = fused_cpu_attention(*(_kernel_memory(t._local_tensor) for t in (q, k, v)), causal, ap.options.scale)
+        out, lse = fused_attention(*(_kernel_memory(t._local_tensor) for t in (q, k, v)), causal, ap.options.scale)
         return wrap(out, ap.plan.output_specs[0]), lse
 
     @staticmethod
@@ -110,7 +110,7 @@ class WholeAttention(Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout = ctx.ap.layout
         dout = _kernel_memory(local_grad(grad, layout.out))
-        dq, dk, dv = fused_cpu_attention_backward(
+        dq, dk, dv = fused_attention_backward(
             dout, *(_kernel_memory(t._local_tensor) for t in (q, k, v)), out._local_tensor, lse, ctx.causal,
             ctx.ap.options.scale,
         )  # fmt: skip

@@ -55,6 +55,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .._redistribute import grad_layout, redistribute_local
+from .._torch_compat import efficient_lse_rows
 from ..propagation import OpPlan, cached, freeze, redistribution_steps
 from ..rule_kit import shard_tensor_cls, to_layout, wrap
 from ..spec import ShardTensorSpec
@@ -269,11 +270,6 @@ def _rng(call, seed_shape, dtype):
     return seed, offset
 
 
-def _aligned(rows):
-    """Rows of the efficient kernel's log-sum-exp: a multiple of 32 (the query count on ROCm)."""
-    return rows if torch.version.hip and torch.cuda.is_available() else -(-rows // 32) * 32
-
-
 def _for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     return _Call(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
@@ -298,7 +294,7 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
 
 
 def _efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
-    rows = _aligned(query.shape[-2]) if compute_log_sumexp else 0
+    rows = efficient_lse_rows(query.shape[-2]) if compute_log_sumexp else 0
     return _Call(query, key, value, attn_bias, dropout_p, is_causal, scale, _Lse(rows=rows))
 
 

@@ -49,7 +49,7 @@ def local_backward(g: Grouped, ap: AttentionPlan, dout, out, lse, reduce_delta=F
     if call is not None:  # the kernel's gradients are the result: no zeros to add them into
         return attend_backward_whole(g.q, g.k, g.v, *call, ap.options.scale, dout, out, lse)
     delta = None
-    if needs_delta(g.q, g.v, g.mask, exact):  # the fused kernel recomputes it itself
+    if needs_delta(g.q, g.k, g.v, g.mask, exact):  # the fused kernel recomputes it itself
         delta = (dout * out).sum(-1)
         if reduce_delta:
             delta = collectives.all_reduce(delta, "sum", ap.layout.q.mesh, ap.layout.seq_mesh_dim)

@@ -208,7 +208,7 @@ def ring_backward(g: Grouped, ap: AttentionPlan, dout, out, lse):
         return local_backward(g, ap, dout, out, lse)
     _eager_only(g)
     ring, options = _Ring(ap), ap.options
-    delta = (dout * out).sum(-1) if needs_delta(g.q, g.v, g.mask, out) else None
+    delta = (dout * out).sum(-1) if needs_delta(g.q, g.k, g.v, g.mask, out) else None
     dq = torch.zeros_like(g.q)
     dk = torch.zeros(g.k.shape, dtype=dq.dtype, device=dq.device)
     dv = torch.zeros(g.v.shape, dtype=dq.dtype, device=dq.device)

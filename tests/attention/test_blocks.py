@@ -3,8 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from physicsnemo_dp.attention import zigzag_order, zigzag_sizes
+from physicsnemo_dp.attention import _blocks
 from physicsnemo_dp.attention._blocks import (
     Span,
     attend,
@@ -144,7 +147,7 @@ def test_one_kernel_call_gives_the_bits_of_the_merged_tile(hq, hk, L, S, causal,
 def test_kernel_on_the_callers_heads_gives_the_bits_of_the_grouped_call(causal, dtype):
     """``WholeAttention`` (one rank's keys whole, one query head per key head) calls the kernel on the (B, H, L, E)
     tensors as given; the grouped one-call path folds the heads into the kernel's batch. Same bits, both ways."""
-    from physicsnemo_dp._torch_compat import fused_cpu_attention, fused_cpu_attention_backward
+    from physicsnemo_dp._torch_compat import fused_attention, fused_attention_backward
 
     g = torch.Generator().manual_seed(5)
     B, H, L, E = 2, 3, 11, 8
@@ -153,11 +156,58 @@ def test_kernel_on_the_callers_heads_gives_the_bits_of_the_grouped_call(causal, 
     call = one_call(q5, k5, v5, None, plan_tiles((Span(0, L, 0),), (Span(0, L, 0),), causal))
     assert call is not None and call[1] == causal
     out5, lse5 = attend_whole(q5, k5, v5, *call, 0.3)
-    out, lse = fused_cpu_attention(q, k, v, causal, 0.3)
+    out, lse = fused_attention(q, k, v, causal, 0.3)
     assert torch.equal(out, _heads.ungroup_queries(out5, 4, dtype)) and torch.equal(lse, _heads.ungroup_rows(lse5, 4))
     dout = torch.randn(out.shape, generator=g).to(dtype)
     grads5 = attend_backward_whole(q5, k5, v5, *call, 0.3, _heads.group_queries(dout, 1, dtype), out5, lse5)
-    grads = fused_cpu_attention_backward(dout, q, k, v, out, lse, causal, 0.3)
+    grads = fused_attention_backward(dout, q, k, v, out, lse, causal, 0.3)
     ungroup = (_heads.ungroup_queries, _heads.ungroup_keys, _heads.ungroup_keys)
     for a, b, back in zip(grads, grads5, ungroup):
         assert torch.equal(a, back(b, 4, dtype))
+
+
+class _OpLog(TorchDispatchMode):
+    """The names of the ATen ops called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_kernel_calls_fit_the_memory_efficient_kernel(causal):
+    """On CUDA tensors the fused kernel is torch's memory-efficient one, forward and backward.
+
+    Checked on fake CUDA tensors (this machine has no GPU): the calls must fit
+    the kernel's schema and shapes and return what the CPU kernel returns: the
+    log-sum-exp cut to the query count, the backward given it back uncut. The
+    values are the GPU command's to check (``benchmarks.gpu_check`` runs
+    tests/attention on CUDA against one process).
+    """
+    from physicsnemo_dp._torch_compat import fused_attention, fused_attention_backward
+
+    N, H, L, S, E = 2, 3, 40, 24, 8
+    with FakeTensorMode():
+        q, k, v = (torch.empty(N, H, n, E, device="cuda") for n in (L, S, S))
+        with _OpLog() as log:
+            out, lse = fused_attention(q, k, v, causal, E**-0.5)
+            dq, dk, dv = fused_attention_backward(out, q, k, v, out, lse, causal, E**-0.5)
+        assert (out.shape, lse.shape, lse.dtype) == ((N, H, L, E), (N, H, L), torch.float32)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert "_scaled_dot_product_efficient_attention" in log.names
+    assert "_scaled_dot_product_efficient_attention_backward" in log.names
+    assert not any(name.endswith(("_for_cpu", "_for_cpu_backward")) for name in log.names)
+
+
+def test_tiles_take_the_math_path_where_no_fused_kernel_fits():
+    """float64 on CUDA (and whatever torch's selector refuses there) takes the math path; CPU and meta the kernel."""
+    with FakeTensorMode():
+        q5 = torch.empty(1, 2, 1, 6, 4, device="cuda", dtype=torch.float64)
+        assert not _blocks._fused(q5, q5, q5, None)
+    q5 = torch.empty(1, 2, 1, 6, 4, dtype=torch.float64)
+    assert _blocks._fused(q5, q5, q5, None) and _blocks._fused(q5.to("meta"), q5.to("meta"), q5.to("meta"), None)
+    assert not _blocks._fused(q5, q5, q5, torch.ones(6, 6, dtype=torch.bool))  # a user mask: the math path

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_compat import Function, fused_attention, fused_attention_backward, non_differentiable
+from .._torch_compat import (
+    Function,
+    SubclassFunction,
+    check_version,
+    fused_attention,
+    fused_attention_backward,
+    non_differentiable,
+    version_witness,
+)
 from ..rule_kit import wrap
 from ._blocks import _kernel_memory, compute_dtype, one_call
 from ._common import grouped, local_grad, ungrouped_grads
@@ -83,7 +91,7 @@ def _whole_call(q, k, v, mask, ap: AttentionPlan):
     return None if call is None else call[1]
 
 
-class WholeAttention(Function):
+class WholeAttention(SubclassFunction):
     """``(q, k, v)`` ShardTensors whose attention is one fused kernel call (:func:`_whole_call`) -> ``(output, lse)``.
 
     The kernel's output, log-sum-exp and gradients are those of :class:`SDPAFunction`'s one-call path
@@ -108,13 +116,46 @@ class WholeAttention(Function):
         if grad is None:
             return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        layout = ctx.ap.layout
-        dout = _kernel_memory(local_grad(grad, layout.out))
-        dq, dk, dv = fused_attention_backward(
-            dout, *(_kernel_memory(t._local_tensor) for t in (q, k, v)), out._local_tensor, lse, ctx.causal,
-            ctx.ap.options.scale,
-        )  # fmt: skip
-        return wrap(dq, layout.q_grad), wrap(dk, layout.k_grad), wrap(dv, layout.v_grad), None, None
+        return _whole_backward(ctx, grad, q, k, v, out._local_tensor, lse)
+
+
+def _whole_backward(ctx, grad, q, k, v, out, lse):
+    """:class:`WholeAttention`'s gradients: the kernel's backward on the local tensors (``out`` the local output)."""
+    layout = ctx.ap.layout
+    dout = _kernel_memory(local_grad(grad, layout.out))
+    dq, dk, dv = fused_attention_backward(
+        dout, *(_kernel_memory(t._local_tensor) for t in (q, k, v)), out, lse, ctx.causal, ctx.ap.options.scale
+    )
+    return wrap(dq, layout.q_grad), wrap(dk, layout.k_grad), wrap(dv, layout.v_grad), None, None
+
+
+class EagerWholeAttention(WholeAttention):
+    """:class:`WholeAttention` for plain eager calls (``sdpa``'s memoised fast paths): the same forward and
+    gradients; the output is saved as its local tensor with a witness of the ShardTensor's version counter.
+
+    Autograd saves a Function's output through a ``detach`` and restores it through another, each a trip
+    through ``__torch_dispatch__`` on a ShardTensor (~20 us a call together, forward and backward). The
+    local tensor (the kernel's own output) and :func:`~physicsnemo_dp._torch_compat.version_witness` keep
+    what the saved output was for: an in-place change of the output before backward raises autograd's
+    error. Not for traced code (the witness is made outside the dispatcher's Python key): tracers,
+    dispatch modes and torch.func transforms get :class:`WholeAttention`.
+    """
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.causal, ctx.ap = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out._local_tensor, lse)
+        ctx.out_version = version_witness(out)
+        non_differentiable(ctx, lse)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_lse):
+        if grad is None:
+            return None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        check_version(ctx.out_version, "the output of scaled_dot_product_attention (a ShardTensor)")
+        return _whole_backward(ctx, grad, q, k, v, out, lse)
 
 
 @torch.compiler.disable

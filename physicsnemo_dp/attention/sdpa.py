@@ -18,7 +18,8 @@ redistributed to one of these. Masks get no gradient.
 from __future__ import annotations
 
 from .._conversion import Redistribute
-from .._torch_compat import plain_eager
+from .. import rule_kit as _rule_kit
+from .._torch_compat import any_autocast_enabled, direct_apply, plain_eager
 from ..propagation import OpPlan, cached, freeze
 from ..rule_kit import shard_tensor_cls
 from . import function
@@ -106,28 +107,64 @@ def _whole_plan(query, key, value, kwargs):
     return None if causal is None else (ap, causal)
 
 
+def _memoised_whole(q, k, v, kwargs):
+    """``(plan, causal)`` of :data:`_WHOLE` for ShardTensors ``q, k, v`` and scalar options (filled on a miss)."""
+    key = (q._spec, k._spec, v._spec, tuple(kwargs.items()) if kwargs else (), zigzag_active())
+    try:
+        return _WHOLE[key]
+    except KeyError:
+        if len(_WHOLE) >= _WHOLE_LIMIT:
+            _WHOLE.clear()
+        hit = _WHOLE[key] = _whole_plan(q, k, v, kwargs)
+        return hit
+    except TypeError:  # an unhashable option value: the general path
+        return None
+
+
+#: autograd's C++ ``apply`` of :class:`~.function.EagerWholeAttention`, bound once (``direct_apply``): what the
+#: memoised paths run (plain eager calls only)
+_WHOLE_APPLY = direct_apply(function.EagerWholeAttention, 5)
+
+
+def _whole_before_promotion(func, types, args, kwargs):
+    """The hook's step 0 for ``F.scaled_dot_product_attention``: a memoised whole call (see :func:`sdpa_handler`)
+    before promotion, with ``EagerWholeAttention``'s C++ ``apply`` bound once.
+
+    Three ShardTensors and scalar options only, in plain eager mode (no tracer, dispatch mode or torch.func
+    transform: :func:`plain_eager`) and without autocast (whose operands the handler's autocast step decides);
+    everything else declines (``NotImplemented``) and takes the handler's path. Promotion would change
+    nothing here (no plain tensor is mixed in), so the call and its result are the handler's.
+    """
+    if len(args) != 3 or (kwargs and not _SCALAR_OPTIONS.issuperset(kwargs)):
+        return NotImplemented
+    q, k, v = args
+    cls = _rule_kit._SHARD_TENSOR_CLS
+    if type(q) is not cls or type(k) is not cls or type(v) is not cls or any_autocast_enabled() or not plain_eager():
+        return NotImplemented
+    hit = _memoised_whole(q, k, v, kwargs)
+    if hit is None:
+        return NotImplemented
+    return _WHOLE_APPLY(q, k, v, hit[1], hit[0])[0]
+
+
 def sdpa_handler(func, types, args, kwargs):
     """Function-level handler for ``F.scaled_dot_product_attention`` (inputs already promoted).
 
     A call the general path would run as one fused kernel call on the local tensors as they are (whole keys on
     the rank: a one-rank mesh, replicated keys; see :func:`~.function._whole_call`), seen before with the same
-    specs and options, goes straight to :class:`~.function.WholeAttention` with the memoised plan: the same
-    Function with the same arguments, without binding, planning and layout checks on every call. Only plain
-    eager calls (a tracer, a dispatch mode or a functorch transform gets the general path).
+    specs and options, goes straight to :class:`~.function.EagerWholeAttention` (``WholeAttention``'s forward
+    and gradients) with the memoised plan, without binding, planning and layout checks on every call. Only
+    plain eager calls (a tracer, a dispatch mode or a functorch transform gets the general path). Such a call
+    with three ShardTensors and no autocast is served before promotion (:func:`_whole_before_promotion`).
     """
     if len(args) == 3 and (not kwargs or _SCALAR_OPTIONS.issuperset(kwargs)) and plain_eager():
         q, k, v = args
         cls = shard_tensor_cls()
         if type(q) is cls and type(k) is cls and type(v) is cls:
-            key = (q._spec, k._spec, v._spec, tuple(kwargs.items()) if kwargs else (), zigzag_active())
-            try:
-                hit = _WHOLE[key]
-            except KeyError:
-                if len(_WHOLE) >= _WHOLE_LIMIT:
-                    _WHOLE.clear()
-                hit = _WHOLE[key] = _whole_plan(q, k, v, kwargs)
-            except TypeError:  # an unhashable option value: the general path
-                hit = None
+            hit = _memoised_whole(q, k, v, kwargs)
             if hit is not None:
-                return function.WholeAttention.apply(q, k, v, hit[1], hit[0])[0]
+                return _WHOLE_APPLY(q, k, v, hit[1], hit[0])[0]
     return scaled_dot_product_attention(**_bind(args, kwargs))
+
+
+sdpa_handler.before_promotion = _whole_before_promotion

@@ -24,6 +24,8 @@ Order for every call that involves a ShardTensor:
 
 from __future__ import annotations
 
+import torch
+
 from .._torch_compat import (
     OpOverload,
     any_autocast_enabled as _any_autocast_enabled,
@@ -71,7 +73,13 @@ class _Entry:
         self.fn = fn
 
 
-#: func -> its route (an _Entry, a handler, or None), valid for one registry generation
+#: Metadata reads of a tensor (``x.shape``, ``x.size()``, ``x.stride()``, ``x.dim()``): their only tensor argument is
+#: the tensor itself, so promotion (step 2) has nothing to do; without a handler they run directly (step 3). AOTAutograd
+#: reads ``o.shape`` of every output of a compiled region that aliases another one.
+_READS = frozenset((torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim))
+_READ = object()  # the route of a read without a handler
+
+#: func -> its route (an _Entry, a handler, _READ or None), valid for one registry generation
 #: (registrations and catalog installs bump it): three dict lookups become one per call.
 _ROUTES: dict = {}
 _ROUTES_GENERATION = [-1]
@@ -85,7 +93,10 @@ def _route(func):
         return _ROUTES[func]
     except KeyError:
         entry = AUTOGRAD_ENTRIES.get(func)
-        route = _ROUTES[func] = _Entry(entry) if entry is not None else _lookup(func)
+        route = _Entry(entry) if entry is not None else _lookup(func)
+        if route is None and func in _READS:
+            route = _READ
+        _ROUTES[func] = route
         return route
     except TypeError:  # an unhashable callable: look it up every time
         entry = AUTOGRAD_ENTRIES.get(func) if func.__hash__ is not None else None
@@ -93,8 +104,11 @@ def _route(func):
 
 
 def handle_torch_function(func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
     route = _route(func)
+    if route is _READ:  # step 3 without promotion's pass over the arguments
+        with torch_function_disabled():
+            return func(*args, **kwargs) if kwargs else func(*args)
+    kwargs = kwargs or {}
     if type(route) is _Entry:
         return route.fn(*args, **kwargs)
     handler = route if _PATCHES["enabled"] else None

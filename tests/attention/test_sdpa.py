@@ -130,8 +130,9 @@ def test_one_kernel_call_on_the_local_tensors(ctx):
     from ..core._util import make_spec, shard_from_global
 
     mesh, sdpa = ctx.mesh, F.scaled_dot_product_attention
-    taken, apply = [], function.WholeAttention.apply
+    taken, apply, direct = [], function.WholeAttention.apply, sdpa_module._WHOLE_APPLY
     function.WholeAttention.apply = lambda *a: taken.append(1) or apply(*a)
+    sdpa_module._WHOLE_APPLY = lambda *a: taken.append(1) or direct(*a)  # the hook's fast path binds C++ apply
     try:
         for causal in (False, True):
             tensors = _qkv(L=7, S=7, E=4, Ev=4)
@@ -159,12 +160,22 @@ def test_one_kernel_call_on_the_local_tensors(ctx):
                     assert torch.equal(a, b), f"{layout} causal={causal}: not the grouped path's bits"
     finally:
         function.WholeAttention.apply = apply
-    # the saved output is the ShardTensor itself: an in-place change before backward is caught
+        sdpa_module._WHOLE_APPLY = direct
+    # an in-place change of the output before backward is caught: the general path saves the ShardTensor, the
+    # memoised one (the second call) its local tensor and a witness of its version counter
     q, k, v = (shard_from_global(t, make_spec(mesh, _layouts(mesh)[0][0], tuple(t.shape)), requires_grad=True)
                for t in _qkv(L=7, S=7, E=4, Ev=4))  # fmt: skip
+    sdpa_module._WHOLE.clear()
+    for call in range(2):
+        out = sdpa(q, k, v)
+        if call == 1 and mesh.size() == 1:
+            assert isinstance(out.grad_fn, function.EagerWholeAttention._backward_cls)
+        with torch.no_grad():
+            out.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward(out.detach() * 0 + 1)
     out = sdpa(q, k, v)
-    with torch.no_grad():
-        out.add_(1)
+    out.mul_(2)  # recorded: the in-place op's node comes first, then the attention's
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(out.detach() * 0 + 1)
 
@@ -230,3 +241,72 @@ def test_repeated_whole_call_skips_planning(ctx):
         assert run((S, S, S), True, mode=True)[1]
     finally:
         sdpa_module.scaled_dot_product_attention = general
+
+
+@distributed(world_sizes=(1, 3), mesh_2d=False, timeout=300)
+def test_whole_call_before_promotion(ctx):
+    """A repeated whole call with three ShardTensors is served by the hook's step 0 (``before_promotion``:
+    ``WholeAttention``'s C++ ``apply`` bound once, no promotion, no handler) with the handler's bits, forward and
+    gradients, also on uneven query shards (7 rows over 3 ranks against replicated keys); it steps aside (the
+    handler serves the call) under autocast, under a dispatch mode, with a mask, with a plain key tensor (to be
+    promoted) and for a ring of three ranks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from physicsnemo_dp.attention import sdpa as sdpa_module
+
+    from ..core._util import make_spec, shard_from_global
+
+    mesh, sdpa = ctx.mesh, F.scaled_dot_product_attention
+    direct, fast = sdpa_module._WHOLE_APPLY, []
+    sdpa_module._WHOLE_APPLY = lambda *a: fast.append(1) or direct(*a)
+
+    class _Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(layout, step0, dtype=torch.float64, plain_key=False, mask=None, mode=None, **options):
+        """(out, dq, dk, dv) locals and whether step 0 served the second call; step 0 on or off."""
+        tensors = [t.to(dtype) for t in _qkv(L=7, S=7, E=4, Ev=4)]
+        xs = [shard_from_global(t, make_spec(mesh, p, tuple(t.shape), dtype=dtype, salt=i), requires_grad=True)
+              for i, (t, p) in enumerate(zip(tensors, layout))]  # fmt: skip
+        if plain_key:
+            xs[1] = tensors[1].clone().requires_grad_(True)
+        if mask is not None:
+            options["attn_mask"] = mask
+        hook = sdpa_module.sdpa_handler.before_promotion
+        if not step0:
+            sdpa_module.sdpa_handler.before_promotion = lambda *a: NotImplemented
+        try:
+            sdpa(*xs, **options)  # the first call fills the memo
+            fast.clear()
+            with mode if mode is not None else torch.autocast("cpu", enabled=False):
+                out = sdpa(*xs, **options)
+            out.backward(out.detach() * 0 + 1)
+        finally:
+            sdpa_module.sdpa_handler.before_promotion = hook
+        grads = [x.grad._local_tensor if hasattr(x.grad, "_local_tensor") else x.grad for x in xs]
+        return [out._local_tensor] + grads, bool(fast)
+
+    try:
+        S, Rr = (Shard(2),), (Replicate(),)
+        for options in ({}, {"is_causal": True}, {"scale": 0.3}):
+            for layout in ((S, S, S), (S, Rr, Rr)):
+                bits, served = run(layout, True, **options)
+                reference, _ = run(layout, False, **options)
+                if mesh.size() == 1 or (layout[1] == Rr and not options):  # keys whole on the rank: one call
+                    assert served, (layout, options)
+                elif layout[1] == S:  # a ring of three ranks (causal on a query shard: decided per rank)
+                    assert not served, (layout, options)
+                for a, b in zip(bits, reference):
+                    assert torch.equal(a, b), (layout, options)
+        # steps aside
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        bits, served = run((S, S, S), True, dtype=torch.float32, mode=autocast)
+        with autocast:
+            expected = sdpa(*(t.float() for t in _qkv(L=7, S=7, E=4, Ev=4))).dtype
+        assert not served and bits[0].dtype == expected, (served, bits[0].dtype)  # autocast's operands, as torch's
+        assert not run((S, S, S), True, mode=_Seen())[1]
+        assert not run((S, S, S), True, mask=torch.ones(7, 7, dtype=torch.bool).tril())[1]
+        assert not run((S, S, S), True, plain_key=True)[1]
+    finally:
+        sdpa_module._WHOLE_APPLY = direct

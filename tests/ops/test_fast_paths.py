@@ -594,3 +594,29 @@ def test_library_functions_call_autograd_directly_and_refuse_a_double_backward(c
     assert torch.equal(g.full_tensor(), torch.full_like(G, 3.0)) and g.requires_grad
     with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
         g.sum().backward()
+
+
+@distributed(world_sizes=(3,), mesh_2d=False)
+def test_metadata_reads_skip_promotion_and_a_handler_still_comes_first(ctx):
+    """``x.shape``, ``x.size()``, ``x.stride()``, ``x.dim()`` on a ShardTensor skip promotion (route ``_READ``) and
+    give the global tensor's metadata (uneven rows over three ranks); a function handler registered for such a
+    read is still called (the lane steps aside), and its removal restores the lane."""
+    from physicsnemo_dp.dispatch import registry
+    from physicsnemo_dp.dispatch import torch_function as tf
+
+    full = torch.arange(7 * 5, dtype=torch.float64).reshape(7, 5)
+    x = shard_from_global(full, make_spec(ctx.mesh, (Shard(0),), (7, 5)))
+    assert x._local_tensor.shape[0] != 7  # uneven rows: the local answer differs from the global one
+    general, promote_args = [], tf.promote_args
+    tf.promote_args = lambda *a: general.append(1) or promote_args(*a)
+    try:
+        reads = (lambda: x.shape, lambda: x.size(), lambda: x.size(1), lambda: x.stride(), lambda: x.dim())
+        assert [r() for r in reads] == [full.shape, full.size(), full.size(1), full.stride(), full.dim()]
+        assert not general, "a metadata read took promotion's pass"
+        seen = []
+        with registry.function_handlers.override(torch.Tensor.size, lambda f, t, a, k: seen.append(1) or "handled"):
+            assert x.size() == "handled" and seen and general  # the handler's usual route, promotion first
+        general.clear()
+        assert x.size() == full.size() and not general  # the lane is back
+    finally:
+        tf.promote_args = promote_args

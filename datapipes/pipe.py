@@ -17,18 +17,26 @@ What a rank does per batch, and why no communication is needed:
    the shapes from step 2: no collective is issued. The layout of a batch
    (buffer arrays, pieces, ShardTensor specs) is the same for every batch of
    a decomposition, so it is built once and later batches reuse the spec
-   (see ``DomainPipe._layout``) through ``ShardTensor.from_spec``.
-5. A batch read ahead is built off the training thread: the reader thread
-   (or the reader process's relay thread) hands out the buffer and wraps the
-   ShardTensors from the cached specs right after the read, with the
-   checking mode off there, so that no collective ever runs on it. The
+   (see ``DomainPipe._layout``): wrapped as it is (``_built``), or through
+   ``ShardTensor.from_spec`` under the checking mode.
+5. A batch read ahead is prepared and built off the training thread: the
+   reader thread (or the reader process's relay thread) acquires the buffer
+   and builds the task before the read (the training thread only queues the
+   read, with its reference to the consumer's previous batch, which that
+   thread lets go of: see ``_Read``), and after the read hands out the
+   buffer and wraps the ShardTensors with the cached specs as they are (no
+   checks, so no collective ever runs there). The
    training thread takes the finished batch; under
    :func:`physicsnemo_dp.debug.checks` it builds it again through
    ``from_spec``, whose collective verification runs on the training thread
    as for any batch. A layout's first batch, batches read in the caller and
    batches moved to another device are built on the training thread.
    Why: right after a training step the caches are cold, and this work cost
-   0.3-0.4 ms of the training thread's CPU per batch there (~30 us warm).
+   0.3-0.4 ms of the training thread's CPU per batch there (~30 us warm);
+   preparing the next read and tearing down the previous batch cost
+   another 70-100 us, which the reader's thread now does (``next()`` costs
+   the training thread ~45 us, the relay ~0.3 ms of CPU per batch instead
+   of ~0.45; P = 2, reader process, after a 3.8 ms sleep).
 
 Output layout: each batch is a :class:`Batch`, a dict from variable name to a
 ShardTensor of shape ``(batch, *sample shape)`` on the *domain* mesh (the
@@ -334,6 +342,12 @@ class DomainPipe:
         return layout
 
     def _wrap(self, task: ReadTask, arrays: dict[str, np.ndarray], layout: "_Layout") -> Batch:
+        """The batch over ``arrays``: with the layout's known specs as they are (see :meth:`_prebuild`), or
+        under the checking mode, for a layout's first batch or another device, through ``_Layout.shard``."""
+        if self.device.type == "cpu" and not checks_enabled():
+            wraps = layout.wraps(self.axes.domain_mesh)
+            if wraps is not None:
+                return _built(task, arrays, wraps)
         batch = Batch(task.samples)
         mesh = self.axes.domain_mesh
         for name, piece in layout.pieces.items():
@@ -351,7 +365,9 @@ class DomainPipe:
         Each variable's ShardTensor wraps its interior with the layout's cached
         spec directly (``ShardTensor._of_local``: a few us against ~20 for
         ``from_spec``'s checks right after a step), as the spec was made by
-        ``from_local`` for exactly this box, dtype and mesh.
+        ``from_local`` for exactly this box, dtype and mesh (:func:`_built`;
+        batches read in the caller are built the same way when the checking
+        mode is off).
         Returns the buffer's arrays (they hold the buffer: it returns to the
         pool when they and the batch are gone) and the batch, or None when the
         training thread must build it (see :meth:`_handed`): the layout's first
@@ -363,16 +379,8 @@ class DomainPipe:
         wraps = layout.wraps(self.axes.domain_mesh) if self.device.type == "cpu" else None
         if wraps is None:
             return arrays, None
-        try:
-            batch = Batch(task.samples)
-            for name, interior, halo, spec in wraps:
-                padded = torch.from_numpy(arrays[name])
-                # the layout's own spec for the layout's own box: from_spec's checks could only pass, and no
-                # collective may run here (the training thread verifies under checks(): see _handed)
-                batch[name] = ShardTensor._of_local(padded[interior], spec)
-                batch.padded[name] = padded
-                batch.halo[name] = halo
-            return arrays, batch
+        try:  # no collective may run here: under checks() the training thread builds it again (see _handed)
+            return arrays, _built(task, arrays, wraps)
         except Exception:
             return arrays, None
 
@@ -399,6 +407,18 @@ class DomainPipe:
                 reader.result()  # a batch read: its buffer returns to the pool once its arrays are dropped here
             except Exception:  # the consumer stopped: an unused batch's error is moot; its buffer was not handed out
                 read.release()
+
+
+def _built(task: ReadTask, arrays: dict[str, np.ndarray], wraps: tuple[tuple, ...]) -> Batch:
+    """The batch over ``arrays`` with the layout's known specs (``_Layout.wraps``), wrapped as they are: the
+    layout's own spec for the layout's own box, so ``from_spec``'s checks could only pass."""
+    batch = Batch(task.samples)
+    for name, interior, halo, spec in wraps:
+        padded = torch.from_numpy(arrays[name])
+        batch[name] = ShardTensor._of_local(padded[interior], spec)
+        batch.padded[name] = padded
+        batch.halo[name] = halo
+    return batch
 
 
 class _Read:

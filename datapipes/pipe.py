@@ -34,9 +34,9 @@ What a rank does per batch, and why no communication is needed:
    Why: right after a training step the caches are cold, and this work cost
    0.3-0.4 ms of the training thread's CPU per batch there (~30 us warm);
    preparing the next read and tearing down the previous batch cost
-   another 70-100 us, which the reader's thread now does (``next()`` costs
-   the training thread ~45 us, the relay ~0.3 ms of CPU per batch instead
-   of ~0.45; P = 2, reader process, after a 3.8 ms sleep).
+   another 40-50 us, which the reader's thread does (``next()`` costs the
+   training thread 33-46 us instead of 75-104; P = 2, reader process, after
+   a 3.8 ms sleep).
 
 Output layout: each batch is a :class:`Batch`, a dict from variable name to a
 ShardTensor of shape ``(batch, *sample shape)`` on the *domain* mesh (the

@@ -158,8 +158,8 @@ def _references(arrays: tuple[np.ndarray, ...]) -> list[int]:
 
 
 #: Shared memory unlinked but maybe still mapped. Unmapping fails while a view
-#: of it lives, and it does while a batch's finalizer runs (the last array
-#: releases its memory only after its weakref callbacks); retried at every free.
+#: of it lives (a batch a user keeps after its pool was closed or trimmed);
+#: retried at every free.
 _unmapped: list[shared_memory.SharedMemory] = []
 
 

@@ -141,8 +141,8 @@ class _ThreadReader:
                 nbytes, seconds = timed_fill(source, task, memory, transforms, validate, rank)
             except Exception as err:  # handed to the consumer, which raises it
                 self._results.put(((0, 0.0, None), err))
-                continue
-            self._results.put(((nbytes, seconds, _finished(finish)), None))
+            else:
+                self._results.put(((nbytes, seconds, _finished(finish)), None))
             prepare = finish = None  # this frame must not keep the pipe alive (its finalizer closes this reader)
 
     def submit(self, prepare: Prepare) -> None:
@@ -228,7 +228,7 @@ class _ProcessReader:
                     else:
                         self._conn.send(task)
                         pending.append(finish)
-                    item = finish = None
+                    finish = None  # this frame must not keep the pipe alive (its finalizer closes this reader)
                     item = _queued(self._tasks)
                 if item is None:  # close(): the process answers what it holds, then stops
                     self._conn.send(None)

@@ -9,10 +9,12 @@ produced with the matching slice of the full array computed in one process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing
 import threading
 import time
+import weakref
 
 import h5py
 import numpy as np
@@ -178,6 +180,25 @@ def test_what_a_consumer_keeps_of_a_batch_is_never_overwritten_while_reads_run_a
             assert torch.equal(leaf.grad, 2 * leaf) and np.array_equal(
                 leaf.detach().numpy(), full["pressure"][list(samples)][(slice(None), *dec.box(ctx.rank, halo=True))])
         assert len(addresses) <= pipe.prefetch + 2  # the buffers nobody kept were reused
+
+
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_a_pipe_dropped_without_close_is_collected_and_stops_its_reader(ctx, workers, tmp_path):
+    """No frame of the reader's threads keeps the pipe alive (a read holds it until it is finished): the
+    pipe's finalizer closes the reader, even after an iteration stopped early."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    pipe = DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, adaptive_prefetch=False)
+    for batch in pipe:
+        pass
+    iterator = iter(pipe)
+    next(iterator)
+    del batch, iterator
+    collected = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert collected() is None
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("datapipes-")]
 
 
 class _SlowFields(HDF5Fields):

@@ -17,18 +17,26 @@ What a rank does per batch, and why no communication is needed:
    the shapes from step 2: no collective is issued. The layout of a batch
    (buffer arrays, pieces, ShardTensor specs) is the same for every batch of
    a decomposition, so it is built once and later batches reuse the spec
-   (see ``DomainPipe._layout``) through ``ShardTensor.from_spec``.
-5. A batch read ahead is built off the training thread: the reader thread
-   (or the reader process's relay thread) hands out the buffer and wraps the
-   ShardTensors from the cached specs right after the read, with the
-   checking mode off there, so that no collective ever runs on it. The
+   (see ``DomainPipe._layout``): wrapped as it is (``_built``), or through
+   ``ShardTensor.from_spec`` under the checking mode.
+5. A batch read ahead is prepared and built off the training thread: the
+   reader thread (or the reader process's relay thread) acquires the buffer
+   and builds the task before the read (the training thread only queues the
+   read, with its reference to the consumer's previous batch, which that
+   thread lets go of: see ``_Read``), and after the read hands out the
+   buffer and wraps the ShardTensors with the cached specs as they are (no
+   checks, so no collective ever runs there). The
    training thread takes the finished batch; under
    :func:`physicsnemo_dp.debug.checks` it builds it again through
    ``from_spec``, whose collective verification runs on the training thread
    as for any batch. A layout's first batch, batches read in the caller and
    batches moved to another device are built on the training thread.
    Why: right after a training step the caches are cold, and this work cost
-   0.3-0.4 ms of the training thread's CPU per batch there (~30 us warm).
+   0.3-0.4 ms of the training thread's CPU per batch there (~30 us warm);
+   preparing the next read and tearing down the previous batch cost
+   another 40-50 us, which the reader's thread does (``next()`` costs the
+   training thread 33-46 us instead of 75-104; P = 2, reader process, after
+   a 3.8 ms sleep).
 
 Output layout: each batch is a :class:`Batch`, a dict from variable name to a
 ShardTensor of shape ``(batch, *sample shape)`` on the *domain* mesh (the
@@ -41,7 +49,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -50,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from physicsnemo_dp import ShardTensor, ShardTensorSpec
-from physicsnemo_dp.debug import checks, checks_enabled
+from physicsnemo_dp.debug import checks_enabled
 
 from ._axes import MeshAxes
 from ._buffers import BufferPool, layout_arrays
@@ -210,36 +218,50 @@ class DomainPipe:
         reader = self._start_reader()
         inflight: deque = deque()
         submitted = start
+        previous = None  # the consumer's last batch, until a read submitted to the reader takes it (see _Read)
         try:
             for k in range(start, len(batches)):
                 ahead = self.reading_ahead
+                if not ahead or not inflight:
+                    previous = None  # a read in the caller reuses its buffer (if the consumer let go of it)
                 if ahead and not inflight:  # the first batch, or the first after reads in the caller
                     inflight.append(self._submit(reader, batches[submitted]))
                     submitted += 1
                 if inflight:  # in order: reads in the caller start only once none is in flight
-                    task, buffer, layout = inflight.popleft()
-                    pool, run = self._pool, reader.result
+                    read = inflight.popleft()
+                    try:
+                        nbytes, seconds, ready = reader.result()
+                    except BaseException:
+                        read.release()
+                        raise
+                    task, buffer, layout, pool = read.task, read.buffer, read.layout, self._pool
+                    del read
                 else:
                     task, buffer, layout = self._task(batches[submitted], self._own_pool)
                     submitted += 1
-                    pool, run = self._own_pool, self._reader_in_caller(task, buffer)
-                try:
-                    nbytes, seconds, ready = run()
-                except BaseException:
-                    pool.release(buffer)
-                    raise
+                    pool = self._own_pool
+                    try:
+                        nbytes, seconds = timed_fill(self.source, task, buffer.memory, self.transforms,
+                                                     self.validate, self._label)
+                    except BaseException:
+                        pool.release(buffer)
+                        raise
+                    ready = None  # the caller wraps it
                 self.bytes_read += nbytes
                 self._pace.observe_read(seconds)
                 batch = self._handed(task, pool.hand_out(buffer, task.arrays) if ready is None else ready, layout)
                 # the next reads start now, once this batch is ready: they overlap with the consumer's step,
                 # and waking the reader does not delay the hand-out
                 while ahead and submitted < len(batches) and len(inflight) < self.prefetch:
-                    inflight.append(self._submit(reader, batches[submitted]))
+                    inflight.append(self._submit(reader, batches[submitted], previous))
+                    previous = None
                     submitted += 1
+                previous = None  # no read took it: if the consumer let go of it, it is torn down here
                 self._position = k + 1
                 handed = time.perf_counter()
                 yield batch
-                del batch  # the frame must not keep the consumer's last batch (and its buffer) alive
+                previous = batch  # the frame must not keep it beyond the next read's submission: see _Read
+                del batch
                 self._pace.observe_gap(time.perf_counter() - handed)
                 if ahead != self.reading_ahead and self._own_pool is not self._pool:
                     (self._own_pool if self.reading_ahead else self._pool).trim()  # the idle buffers of the mode left
@@ -268,20 +290,17 @@ class DomainPipe:
             self._reader[0] = make_reader(self.workers, self.source, self.transforms, self.validate, self._label)
         return self._reader[0]
 
-    def _reader_in_caller(self, task: ReadTask, buffer) -> Callable[[], tuple[int, float, None]]:
-        fill = partial(timed_fill, self.source, task, buffer.memory, self.transforms, self.validate, self._label)
-        return lambda: (*fill(), None)  # no batch built elsewhere: the caller wraps it
-
     def _rank_label(self) -> str:
         """This rank as validation errors name it: global rank, then its ddp and domain coordinates."""
         rank = f"rank {dist.get_rank()}" if dist.is_initialized() else "rank 0"
         return f"{rank} (ddp {self.axes.ddp_rank}, domain {','.join(map(str, self.axes.domain_coord))})"
 
-    def _submit(self, reader, samples: tuple[int, ...]):
-        """Hand the read of ``samples`` to the background reader."""
-        task, buffer, layout = self._task(samples, self._pool, self._pool.take_freed_names())
-        reader.submit(task, buffer.memory, partial(self._prebuild, task, buffer, layout))
-        return task, buffer, layout
+    def _submit(self, reader, samples: tuple[int, ...], drop=None) -> "_Read":
+        """Hand the read of ``samples`` to the background reader, which prepares it on its own thread
+        (and lets go of ``drop`` there first, see :class:`_Read`)."""
+        read = _Read(self, samples, drop)
+        reader.submit(read)
+        return read
 
     def _task(self, samples: tuple[int, ...], pool: BufferPool, detach: tuple[str, ...] = ()):
         """The read of ``samples``: its task, a buffer from ``pool`` and the batch layout."""
@@ -323,6 +342,12 @@ class DomainPipe:
         return layout
 
     def _wrap(self, task: ReadTask, arrays: dict[str, np.ndarray], layout: "_Layout") -> Batch:
+        """The batch over ``arrays``: with the layout's known specs as they are (see :meth:`_prebuild`), or
+        under the checking mode, for a layout's first batch or another device, through ``_Layout.shard``."""
+        if self.device.type == "cpu" and not checks_enabled():
+            wraps = layout.wraps(self.axes.domain_mesh)
+            if wraps is not None:
+                return _built(task, arrays, wraps)
         batch = Batch(task.samples)
         mesh = self.axes.domain_mesh
         for name, piece in layout.pieces.items():
@@ -337,6 +362,12 @@ class DomainPipe:
     def _prebuild(self, task: ReadTask, buffer, layout: "_Layout") -> tuple[dict[str, np.ndarray], Batch | None]:
         """Run by the background reader's thread after the read: hand out the buffer and build the batch there.
 
+        Each variable's ShardTensor wraps its interior with the layout's cached
+        spec directly (``ShardTensor._of_local``: a few us against ~20 for
+        ``from_spec``'s checks right after a step), as the spec was made by
+        ``from_local`` for exactly this box, dtype and mesh (:func:`_built`;
+        batches read in the caller are built the same way when the checking
+        mode is off).
         Returns the buffer's arrays (they hold the buffer: it returns to the
         pool when they and the batch are gone) and the batch, or None when the
         training thread must build it (see :meth:`_handed`): the layout's first
@@ -345,11 +376,11 @@ class DomainPipe:
         and raises. Never raises.
         """
         arrays = self._pool.hand_out(buffer, task.arrays)
-        if self.device.type != "cpu" or not layout.has_specs():
+        wraps = layout.wraps(self.axes.domain_mesh) if self.device.type == "cpu" else None
+        if wraps is None:
             return arrays, None
-        try:
-            with checks(False):  # no collective on a background thread: the training thread verifies (_handed)
-                return arrays, self._wrap(task, arrays, layout)
+        try:  # no collective may run here: under checks() the training thread builds it again (see _handed)
+            return arrays, _built(task, arrays, wraps)
         except Exception:
             return arrays, None
 
@@ -371,11 +402,62 @@ class DomainPipe:
     def _drain(self, reader, inflight: deque) -> None:
         """Wait for reads still in flight (an iteration stopped early) and recycle their buffers."""
         while inflight:
-            _, buffer, _ = inflight.popleft()
+            read = inflight.popleft()
             try:
                 reader.result()  # a batch read: its buffer returns to the pool once its arrays are dropped here
             except Exception:  # the consumer stopped: an unused batch's error is moot; its buffer was not handed out
-                self._pool.release(buffer)
+                read.release()
+
+
+def _built(task: ReadTask, arrays: dict[str, np.ndarray], wraps: tuple[tuple, ...]) -> Batch:
+    """The batch over ``arrays`` with the layout's known specs (``_Layout.wraps``), wrapped as they are: the
+    layout's own spec for the layout's own box, so ``from_spec``'s checks could only pass."""
+    batch = Batch(task.samples)
+    for name, interior, halo, spec in wraps:
+        padded = torch.from_numpy(arrays[name])
+        batch[name] = ShardTensor._of_local(padded[interior], spec)
+        batch.padded[name] = padded
+        batch.halo[name] = halo
+    return batch
+
+
+class _Read:
+    """A read handed to the background reader: prepared (buffer, layout, task) and finished on its thread.
+
+    The training thread only creates this and puts it on the reader's queue;
+    the reader's thread (the reader process's relay thread) calls it, which
+    acquires the buffer and builds the task, and after the read calls
+    :meth:`finish` (the pipe's :meth:`DomainPipe._prebuild`). Why: preparing a
+    read cost the training thread ~45 us of CPU per batch right after a step
+    (70 us with cold caches), next to ~5 us for the queue.
+
+    ``drop`` is the pipe's reference to the consumer's previous batch: the
+    reader's thread lets go of it before it acquires the buffer, so when the
+    consumer has already dropped that batch it is torn down there (not in the
+    training thread's ``next()``) and its buffer is the one this read reuses.
+    A batch the consumer still holds is not affected (its buffer stays in use).
+    """
+
+    __slots__ = ("pipe", "samples", "drop", "task", "buffer", "layout")
+
+    def __init__(self, pipe: DomainPipe, samples: tuple[int, ...], drop=None):
+        self.pipe, self.samples, self.drop = pipe, samples, drop
+        self.task = self.buffer = self.layout = None
+
+    def __call__(self):
+        self.drop = None
+        pipe = self.pipe
+        self.task, self.buffer, self.layout = pipe._task(self.samples, pipe._pool, pipe._pool.take_freed_names())
+        return self.task, self.buffer.memory, self.finish
+
+    def finish(self):
+        return self.pipe._prebuild(self.task, self.buffer, self.layout)
+
+    def release(self) -> None:
+        """Return the buffer of a read whose batch was never handed out (a read that failed, or was dropped)."""
+        if self.buffer is not None:
+            self.pipe._pool.release(self.buffer)
+            self.buffer = None
 
 
 class _Piece:
@@ -413,6 +495,7 @@ class _Layout:
         self._coord = coord
         self._boxes = {name: p.box for name, p in self.pieces.items()}
         self._specs: dict[str, ShardTensorSpec] = {}
+        self._wraps: tuple | None = None  # (mesh, wraps()): see wraps
 
     def boxes(self, decs: list[dict[str, DomainDecomposition]]) -> tuple[dict, ...]:
         """Per sample, variable -> read box (one shared dict when the samples share the decompositions)."""
@@ -435,12 +518,17 @@ class _Layout:
         piece = self.pieces[name]
         out = ShardTensor.from_local(local, mesh, piece.placements, sharding_shapes=piece.sharding_shapes(self.rows))
         self._specs[name] = out.spec
+        self._wraps = None
         return out
 
-    def has_specs(self) -> bool:
-        """Whether every variable's spec is known (a batch of this layout was built once): then building one
-        needs only ``ShardTensor.from_spec``, no ``from_local``."""
-        return len(self._specs) == len(self.pieces)
+    def wraps(self, mesh: DeviceMesh) -> tuple[tuple, ...] | None:
+        """Per variable ``(name, interior, halo, spec)`` once every spec is known on ``mesh`` (a batch of this
+        layout was built once through :meth:`shard`), else None: what building a batch needs besides the data."""
+        if self._wraps is None or self._wraps[0] is not mesh:
+            if len(self._specs) != len(self.pieces) or any(spec.mesh is not mesh for spec in self._specs.values()):
+                return None
+            self._wraps = (mesh, tuple((name, p.interior, p.halo, self._specs[name]) for name, p in self.pieces.items()))
+        return self._wraps[1]
 
 
 def _close(pools: tuple[BufferPool, ...], reader: list) -> None:

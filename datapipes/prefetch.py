@@ -53,6 +53,9 @@ __all__ = ["ReadTask", "fill", "timed_fill", "make_reader", "READERS"]
 Transform = Callable[[dict[str, torch.Tensor]], None]
 #: Run by a background reader after a successful read, on its thread (the pipe builds the batch there).
 Finish = Callable[[], object]
+#: Run by a background reader on its thread before the read: the task, the memory to fill and its finish.
+#: The pipe prepares the read there (buffer, layout, task), so submitting costs the training thread a queue put.
+Prepare = Callable[[], tuple["ReadTask", object, Finish | None]]
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,9 @@ def _check_finite(values: np.ndarray, source: Source, index: int, name: str, box
 
 
 # --------------------------------------------------------------------------- #
-# Background readers: submit(task, memory, finish) in order; result() -> (bytes read, seconds,
-# finish()'s value, computed on the background thread), in order
+# Background readers: submit(prepare) in order; result() -> (bytes read, seconds, finish()'s value),
+# in order. prepare() and finish() run on the background thread; an error in prepare() or in the read is
+# raised by that task's result()
 # --------------------------------------------------------------------------- #
 def timed_fill(*args) -> tuple[int, float]:
     """:func:`fill`, and the seconds it took (wall clock: what a consumer's step can hide)."""
@@ -131,17 +135,18 @@ class _ThreadReader:
         self._thread.start()
 
     def _serve(self, source, transforms, validate, rank) -> None:
-        while (item := self._tasks.get()) is not None:
-            task, memory, finish = item
+        while (prepare := self._tasks.get()) is not None:
             try:
+                task, memory, finish = prepare()
                 nbytes, seconds = timed_fill(source, task, memory, transforms, validate, rank)
             except Exception as err:  # handed to the consumer, which raises it
                 self._results.put(((0, 0.0, None), err))
-                continue
-            self._results.put(((nbytes, seconds, _finished(finish)), None))
+            else:
+                self._results.put(((nbytes, seconds, _finished(finish)), None))
+            prepare = finish = None  # this frame must not keep the pipe alive (its finalizer closes this reader)
 
-    def submit(self, task: ReadTask, memory, finish: Finish | None = None) -> None:
-        self._tasks.put((task, memory, finish))
+    def submit(self, prepare: Prepare) -> None:
+        self._tasks.put(prepare)
 
     def result(self) -> tuple[int, float, object]:
         done, err = self._results.get()
@@ -162,10 +167,11 @@ class _ProcessReader:
     ``physicsnemo_dp.launch``); the reader dies with its parent instead
     (``PR_SET_PDEATHSIG`` on Linux, a parent check elsewhere).
 
-    The relay thread (in the training process) sends the tasks, receives the
-    replies and runs each task's ``finish``, so the training thread neither
-    pickles a task nor wakes the reader process, nor builds the batch: it only
-    puts the task on a queue and takes the finished batch from another. The
+    The relay thread (in the training process) prepares and sends the tasks,
+    receives the replies and runs each task's ``finish``, so the training
+    thread neither prepares nor pickles a task, nor wakes the reader process,
+    nor builds the batch: it only puts the read's ``prepare`` on a queue and
+    takes the finished batch from another. The
     relay needs the training process's GIL to send a task and build a batch
     (the read itself runs in the reader process, without it); with a step
     that holds the GIL (``benchmarks/io_bench.py --steps python``, P = 1,
@@ -195,8 +201,8 @@ class _ProcessReader:
         self._relay = threading.Thread(target=self._serve_relay, name="datapipes-relay", daemon=True)
         self._relay.start()
 
-    def submit(self, task: ReadTask, memory, finish: Finish | None = None) -> None:
-        self._tasks.put((task, finish))
+    def submit(self, prepare: Prepare) -> None:
+        self._tasks.put(prepare)
 
     def result(self) -> tuple[int, float, object]:
         if self._fatal is not None and self._results.empty():
@@ -209,19 +215,27 @@ class _ProcessReader:
         return done
 
     def _serve_relay(self) -> None:
-        """Send tasks in order, receive their replies in order, finish each batch; stop at None."""
-        pending: deque = deque()  # the finish of every task sent and not answered yet
+        """Prepare and send tasks in order, receive their replies in order, finish each batch; stop at None."""
+        pending: deque = deque()  # per task not answered yet, in order: its finish, or the error preparing it
         try:
             while True:
                 item = self._tasks.get() if not pending else _queued(self._tasks)
                 while item is not None and item is not _EMPTY:
-                    task, finish = item
-                    self._conn.send(task)
-                    pending.append(finish)
+                    try:
+                        task, _, finish = item()
+                    except Exception as err:  # raised by this task's result(), after the earlier tasks' results
+                        pending.append(_Failed(err))
+                    else:
+                        self._conn.send(task)
+                        pending.append(finish)
+                    finish = None  # this frame must not keep the pipe alive (its finalizer closes this reader)
                     item = _queued(self._tasks)
                 if item is None:  # close(): the process answers what it holds, then stops
                     self._conn.send(None)
                     return
+                self._report_failed(pending)
+                if not pending:
+                    continue
                 try:
                     (nbytes, seconds), err, where = self._conn.recv()
                 except EOFError:
@@ -233,9 +247,16 @@ class _ProcessReader:
                     self._results.put((None, err, where))
                 else:
                     self._results.put(((nbytes, seconds, _finished(finish)), None, ""))
+                finish = None  # this frame must not keep the pipe alive (its finalizer closes this reader)
+                self._report_failed(pending)
         except BaseException as err:  # the process died or the pipe broke: every waiting result() raises it
             self._fatal = err
             self._results.put((None, err, ""))
+
+    def _report_failed(self, pending: deque) -> None:
+        """Results for the tasks at the head of ``pending`` that failed before they were sent."""
+        while pending and isinstance(pending[0], _Failed):
+            self._results.put((None, pending.popleft().error, ""))
 
     def close(self) -> None:
         self._tasks.put(None)
@@ -256,6 +277,15 @@ class _ProcessReader:
 
 
 _EMPTY = object()
+
+
+class _Failed:
+    """A task whose preparation raised ``error`` (it was never sent)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 def _queued(tasks: queue.SimpleQueue):

@@ -136,3 +136,72 @@ def test_small_private_buffers_come_from_numpy():
     small = private_memory(HUGE_PAGE - 1)
     assert small.dtype == np.uint8 and small.nbytes == HUGE_PAGE - 1 and small.flags.owndata
     assert not private_memory(HUGE_PAGE).flags.owndata  # a view of its own mapping
+
+
+def _hand_out_filled(pool, specs, nbytes, value):
+    buf = pool.acquire(nbytes)
+    arrays = pool.hand_out(buf, specs)
+    for array in arrays.values():
+        array[:] = value
+    return buf, arrays
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("hold", ["dict", "tensor view", "numpy view", "autograd graph", "numpy of a tensor"])
+def test_a_buffer_anything_still_uses_is_never_handed_out_again(shared, hold):
+    """The pool reuses a buffer's own arrays for every batch: whatever a user keeps of a batch keeps the buffer
+    out of reuse, and the kept values stay intact while new batches are written (fails if a buffer is reused
+    while in use: the writes below would overwrite the kept values)."""
+    pool = BufferPool(shared=shared, max_idle=4)
+    try:
+        specs, nbytes = layout_arrays({"a": ((4, 3), np.float32), "b": ((6,), np.float64)})
+        buf, arrays = _hand_out_filled(pool, specs, nbytes, 1.0)
+        if hold == "dict":
+            kept = arrays
+        elif hold == "tensor view":
+            kept = torch.from_numpy(arrays["a"])[1:, 1]
+        elif hold == "numpy view":
+            kept = arrays["b"][2:]
+        elif hold == "numpy of a tensor":
+            kept = torch.from_numpy(arrays["a"]).numpy()[0]
+        else:  # only autograd holds the tensor: backward reads it
+            leaf = torch.from_numpy(arrays["b"]).requires_grad_()
+            kept = (leaf * leaf).sum()
+            del leaf
+        del arrays  # freed at once by reference counting
+        for value in (2.0, 3.0, 4.0):  # batches come and go while the user keeps one
+            other, arrays = _hand_out_filled(pool, specs, nbytes, value)
+            assert other is not buf
+            del arrays
+        if hold == "autograd graph":
+            leaf = kept.grad_fn.next_functions[0][0].next_functions[0][0].variable  # the graph's own reference
+            kept.backward()
+            assert leaf.grad.eq(2.0).all() and leaf.eq(1.0).all()
+        elif hold == "dict":
+            assert all(np.all(a == 1.0) for a in kept.values())
+        else:
+            assert np.all(np.asarray(kept) == 1.0)
+        del kept
+        leaf = None
+        reused = pool.acquire(nbytes)  # nothing uses it any more: back in the pool
+        assert reused is buf or buf in pool._free
+    finally:
+        pool.close()
+
+
+def test_batches_reuse_the_buffers_own_arrays_until_the_layout_changes():
+    pool = BufferPool(shared=False, max_idle=2)
+    try:
+        specs, nbytes = layout_arrays({"a": ((8,), np.float32)})
+        buf = pool.acquire(nbytes)
+        first = pool.hand_out(buf, specs)["a"]
+        del first
+        assert pool.acquire(nbytes) is buf
+        again = pool.hand_out(buf, specs)
+        assert again["a"] is buf.views(specs)[0]  # no new array per batch
+        del again
+        smaller, _ = layout_arrays({"a": ((2, 3), np.float32)})
+        assert pool.acquire(nbytes) is buf
+        assert pool.hand_out(buf, smaller)["a"].shape == (2, 3)
+    finally:
+        pool.close()

@@ -9,10 +9,12 @@ produced with the matching slice of the full array computed in one process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing
 import threading
 import time
+import weakref
 
 import h5py
 import numpy as np
@@ -148,6 +150,57 @@ def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(ctx, wor
         assert len(addresses) <= pipe.prefetch + 2
 
 
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_what_a_consumer_keeps_of_a_batch_is_never_overwritten_while_reads_run_ahead(ctx, workers, tmp_path):
+    """Batch buffers are reused with their own arrays (no per-batch teardown): a view of one batch's local
+    tensor, its halo-padded tensor and a tensor autograd saved keep their buffer out of reuse while later
+    batches are read ahead into the others (fails if a buffer still in use is refilled)."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    full = grid_fields()
+    with DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, shuffle=False,
+                    adaptive_prefetch=False) as pipe:
+        dec = pipe.decompose(0)["pressure"]
+        kept, graphs = [], []
+        for k, batch in enumerate(pipe):
+            if k % 2 == 0:  # every other batch: keep a part of it, drop the rest
+                kept.append((batch.samples, batch["pressure"].to_local()[0, 1:], batch.padded["permeability"][:, :2]))
+                leaf = batch.padded["pressure"].detach().requires_grad_()
+                graphs.append((batch.samples, (leaf * leaf).sum()))
+            del batch
+        for _ in range(2):  # more epochs: every buffer not in use is refilled
+            addresses = {b["pressure"].to_local().data_ptr() for b in pipe}
+        for samples, local, padded in kept:
+            assert np.array_equal(local.numpy(), full["pressure"][samples[0]][dec.box(ctx.rank)][1:])
+            box = pipe.decompose(0)["permeability"].box(ctx.rank, halo=True)
+            assert np.array_equal(padded.numpy(), full["permeability"][list(samples)][(slice(None), *box)][:, :2])
+        for samples, loss in graphs:
+            leaf = loss.grad_fn.next_functions[0][0].next_functions[0][0].variable
+            loss.backward()
+            assert torch.equal(leaf.grad, 2 * leaf) and np.array_equal(
+                leaf.detach().numpy(), full["pressure"][list(samples)][(slice(None), *dec.box(ctx.rank, halo=True))])
+        assert len(addresses) <= pipe.prefetch + 2  # the buffers nobody kept were reused
+
+
+@pytest.mark.parametrize("workers", ["process", "thread"])
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_a_pipe_dropped_without_close_is_collected_and_stops_its_reader(ctx, workers, tmp_path):
+    """No frame of the reader's threads keeps the pipe alive (a read holds it until it is finished): the
+    pipe's finalizer closes the reader, even after an iteration stopped early."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    pipe = DomainPipe(open_grid("hdf5", path), ctx.mesh, workers=workers, prefetch=2, adaptive_prefetch=False)
+    for batch in pipe:
+        pass
+    iterator = iter(pipe)
+    next(iterator)
+    del batch, iterator
+    collected = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert collected() is None
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("datapipes-")]
+
+
 class _SlowFields(HDF5Fields):
     """HDF5 fields whose every box read takes at least ``_READ_S``: a read long enough to time reliably."""
 
@@ -165,9 +218,9 @@ def _spy_on_background_reads(pipe: DomainPipe) -> list[int]:
     submitted: list[int] = []
     submit = reader.submit
 
-    def recording(task, memory, finish):
-        submitted.append(task.samples[0])
-        submit(task, memory, finish)
+    def recording(read):
+        submitted.append(read.samples[0])
+        submit(read)
 
     reader.submit = recording
     return submitted
@@ -481,14 +534,20 @@ def _record_collectives():
 
 @contextlib.contextmanager
 def _record_wrapping():
-    """Record ``(constructor, thread id)`` for every ShardTensor.from_local / from_spec call inside the block."""
-    calls, saved = [], {name: ShardTensor.__dict__[name] for name in ("from_local", "from_spec")}
+    """Record ``(constructor, thread id)`` for every ShardTensor.from_local / from_spec / _of_local call inside
+    the block (``_of_local``: a known spec wrapped as it is, how a background reader builds a batch)."""
+    names = ("from_local", "from_spec", "_of_local")
+    calls, saved = [], {name: ShardTensor.__dict__[name] for name in names}
 
     def recorder(name):
+        method = saved[name]
+
         def call(*args, **kwargs):
             calls.append((name, threading.get_ident()))
-            return saved[name].__func__(*args, **kwargs)
-        return staticmethod(call)
+            if isinstance(method, classmethod):
+                return method.__func__(ShardTensor, *args, **kwargs)
+            return method.__func__(*args, **kwargs)
+        return classmethod(lambda cls, *a, **k: call(*a, **k)) if isinstance(method, classmethod) else staticmethod(call)
 
     for name in saved:
         setattr(ShardTensor, name, recorder(name))
@@ -516,7 +575,7 @@ def test_background_readers_build_batches_off_the_training_thread_and_checks_ver
         with _record_wrapping() as built, _record_collectives() as raw:
             kept = list(pipe)
         assert raw == [] and built[: len(names)] == [("from_local", main)] * len(names)
-        assert len(built) == n * len(names) and all(c == "from_spec" and t != main for c, t in built[len(names):])
+        assert len(built) == n * len(names) and all(c == "_of_local" and t != main for c, t in built[len(names):])
         with checks(), _record_wrapping() as built, _record_collectives() as raw:
             checked = list(pipe)
         on_main = [c for c, t in built if t == main]
@@ -657,10 +716,12 @@ def test_mesh_ranks_get_contiguous_uneven_ranges_with_their_cells(ctx, tmp_path)
             assert ((owners >= start) & (owners < start + batch["points"].to_local().shape[1])).all()
 
 
+@pytest.mark.parametrize("workers", ["process", "thread"])
 @distributed(world_sizes=(2,), mesh_2d=False)
-def test_batching_meshes_of_different_sizes_is_an_error(ctx, tmp_path):
+def test_batching_meshes_of_different_sizes_is_an_error(ctx, workers, tmp_path):
+    """The first read goes to the background reader, whose thread prepares it: the error reaches the consumer."""
     paths = _shared(ctx, lambda: write_meshes(tmp_path, count=2))
-    with DomainPipe(MeshSource(paths), ctx.mesh, batch_size=2, shuffle=False) as pipe:
+    with DomainPipe(MeshSource(paths), ctx.mesh, batch_size=2, shuffle=False, workers=workers) as pipe:
         with pytest.raises(DataPipeError, match="needs samples whose variables split alike"):
             next(iter(pipe))
 

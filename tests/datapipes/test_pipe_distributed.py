@@ -757,3 +757,32 @@ def test_splits_that_cannot_be_made_fail_on_every_rank_before_reading(ctx, tmp_p
         DomainPipe(source, ctx.mesh)
     with pytest.raises(DecompositionError, match=r"halo of 5 along dim 1 is wider than the shard"):
         DomainPipe(source, ctx.mesh, split_dims=(1,), halo=5)
+
+
+@distributed(world_sizes=(2,), mesh_2d=False)
+def test_batches_read_in_the_caller_wrap_the_buffer_itself_without_halo_and_step_aside_otherwise(ctx, tmp_path):
+    """Reads in the caller (prefetch=0): after a layout's first batch (from_local) each variable wraps the cached
+    spec as it is (_of_local); without halo its local tensor is the buffer's tensor itself (no indexing), with a
+    halo a view of the interior; under checks() every batch goes through from_spec over an interior view."""
+    path = _shared(ctx, lambda: write_grid("hdf5", tmp_path))
+    full = grid_fields()
+    for halo in (0, 1):
+        with DomainPipe(open_grid("hdf5", path), ctx.mesh, prefetch=0, shuffle=False, halo=halo) as pipe:
+            dec = pipe.decompose(0)["permeability"]
+            names, n = list(pipe.decompose(0)), len(pipe)
+            with _record_wrapping() as built:
+                kept = list(pipe)
+            assert [c for c, _ in built] == ["from_local"] * len(names) + ["_of_local"] * ((n - 1) * len(names))
+            with checks(), _record_wrapping() as built:
+                checked = list(pipe)
+            assert [c for c, _ in built] == ["from_spec"] * (n * len(names))
+            for k, (first, second) in enumerate(zip(kept, checked, strict=True)):
+                for name in names:
+                    for batch, fast in ((first, k > 0 and halo == 0), (second, False)):
+                        local, padded = batch[name]._local_tensor, batch.padded[name]
+                        assert (local is padded) == fast
+                        assert local.data_ptr() == padded[(slice(None), *dec.interior(ctx.rank))].data_ptr()
+                        assert np.array_equal(local.numpy(),
+                                              full[name][list(batch.samples)][(slice(None), *dec.box(ctx.rank))])
+                    assert first[name]._spec == second[name]._spec
+            del kept, checked, first, second, batch, local, padded

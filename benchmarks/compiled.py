@@ -68,7 +68,7 @@ def sizes(tiny: bool, scale: float) -> dict:
                     backend="aot_eager")  # fmt: skip
     s = max(scale, 1 / 16) ** 0.5  # graph nodes grow with scale
     return dict(grid=int(64 * scale), width=8, tokens=int(256 * scale), dim=64, around=int(64 * s),
-                rings=int(16 * s), layers=4, rounds=5, calls=3, backend="inductor")  # fmt: skip
+                rings=int(16 * s), layers=4, rounds=15, calls=3, backend="inductor")  # fmt: skip
 
 
 def _examples():

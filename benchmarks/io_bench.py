@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from datapipes import DomainDecomposition, DomainPipe, HDF5Fields, Split, aligned_chunks  # noqa: E402
 from datapipes._buffers import private_memory  # noqa: E402
 from datapipes.synthetic import heat_equation, write_hdf5  # noqa: E402
-from benchmarks._timing import fastest, fastest_by, split_rounds  # noqa: E402
+from benchmarks._timing import REPETITIONS, fastest, fastest_by, split_rounds  # noqa: E402
 
 VARIABLES = ("u0", "u")
 MODES = {"inline": dict(prefetch=0), "thread": dict(prefetch=2, workers="thread"),
@@ -109,19 +109,20 @@ def _bare_epoch(dsets: list[h5py.Dataset], buffers: list[np.ndarray], box, sampl
 
 
 def _read_after_idle(dsets: list[h5py.Dataset], buffers: list[np.ndarray], box, samples, idle_s: float,
-                     rounds: int = 3) -> float:  # fmt: skip
-    """Median seconds of one batch's bare read when it follows ``idle_s`` of idling, as a prefetching reader meets
-    its reads (it waits through the consumer's step, then reads); every rank at once, as in training."""
-    times = []
+                     rounds: int = REPETITIONS) -> np.ndarray:  # fmt: skip
+    """Seconds of one batch's bare read when it follows ``idle_s`` of idling, as a prefetching reader meets its
+    reads (it waits through the consumer's step, then reads), every rank at once as in training: an array of
+    ``rounds`` passes over ``samples`` (one row per pass)."""
+    times = np.empty((rounds, len(samples)))
     dist.barrier()
-    for _ in range(rounds):
-        for i in samples:
+    for round_ in range(rounds):
+        for j, i in enumerate(samples):
             time.sleep(idle_s)
             start = time.perf_counter()
             for dset, buf in zip(dsets, buffers):
                 dset.read_direct(buf, source_sel=(i, *box))
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
+            times[round_, j] = time.perf_counter() - start
+    return times
 
 
 STEPS = ("sleep", "python", "h5py")
@@ -248,13 +249,12 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
         with h5py.File(path, "r") as f, h5py.File(f"{scratch}.rank{rank}.h5", "r") as other:
             dsets = [f[v] for v in VARIABLES]
             runs = {"bare": partial(_bare_epoch, dsets, buffers, box, samples)}
-            bare = float(np.median(fastest(runs, args.epochs)["bare"]))
+            back_to_back = fastest(runs, args.epochs)["bare"] / len(samples)  # per repetition
             factor = getattr(args, "step_factor", 1.0) * _ranks_per_core(mesh)
             # the step lasts `factor` reads of a batch as a prefetching reader meets them: after an idle step
-            # (here 1.4-1.7x a back-to-back read), or back to back if that is slower
-            back_to_back = bare / len(samples)
-            idle = _read_after_idle(dsets, buffers, box, samples, factor * back_to_back)
-            read = max(back_to_back, idle)
+            # (here 0.9-1.7x a back-to-back read), or back to back if that is slower
+            idle = _read_after_idle(dsets, buffers, box, samples, factor * float(np.median(back_to_back)))
+            read = max(float(np.median(back_to_back)), float(np.median(idle)))  # the median of every read after idling
             step_s = (args.step_ms / 1000) if args.step_ms is not None else factor * read
             for (mode, kind), pipe in pipes.items():
                 if kind is None:
@@ -273,7 +273,7 @@ def measure(mesh, args, paths: dict[str, Path], scratch: str) -> dict:
         bare = best["bare"]
         serial = bare + step_s * len(samples)
         row = {"slab_MiB_per_epoch": slab_bytes / 2**20, "bare_s": bare, "bare_MiB_s": slab_bytes / bare / 2**20,
-               "bare_cpu_s": cpu["bare"], "step_ms": step_s * 1000, "read_after_idle_ms": idle * 1000,
+               "bare_cpu_s": cpu["bare"], "step_ms": step_s * 1000, "read_after_idle_ms": np.median(idle, axis=1) * 1000,
                "read_back_to_back_ms": back_to_back * 1000,
                "ideal_speedup_vs_serial": serial / np.maximum(bare, step_s * len(samples)), "modes": {}}
         for kind in overlap:

@@ -203,11 +203,26 @@ def test_cuda_kernel_calls_fit_the_memory_efficient_kernel(causal):
     assert not any(name.endswith(("_for_cpu", "_for_cpu_backward")) for name in log.names)
 
 
-def test_tiles_take_the_math_path_where_no_fused_kernel_fits():
-    """float64 on CUDA (and whatever torch's selector refuses there) takes the math path; CPU and meta the kernel."""
+def test_tiles_take_the_math_path_where_no_fused_kernel_fits(monkeypatch):
+    """On CUDA the kernel runs where torch's selector accepts and the dtype is one it takes (not float64);
+    CPU and meta always take the CPU kernel; a user mask takes the math path everywhere."""
+    verdict = {"fits": True}
+    asked = []
+
+    def selector(params):
+        asked.append((params.query.shape, params.query.dtype))
+        return verdict["fits"]
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", selector)
     with FakeTensorMode():
-        q5 = torch.empty(1, 2, 1, 6, 4, device="cuda", dtype=torch.float64)
+        q5 = torch.empty(1, 2, 1, 6, 4, device="cuda")
+        assert _blocks._fused(q5, q5, q5, None)
+        assert asked == [((1, 1, 6, 4), torch.float32)]  # asked about the kernel's (N, 1, n, E) tensors
+        verdict["fits"] = False
         assert not _blocks._fused(q5, q5, q5, None)
+        verdict["fits"] = True
+        assert not _blocks._fused(q5.double(), q5.double(), q5.double(), None)  # float64: not the kernel's dtype
+        assert len(asked) == 2  # ... decided without asking the selector
     q5 = torch.empty(1, 2, 1, 6, 4, dtype=torch.float64)
     assert _blocks._fused(q5, q5, q5, None) and _blocks._fused(q5.to("meta"), q5.to("meta"), q5.to("meta"), None)
     assert not _blocks._fused(q5, q5, q5, torch.ones(6, 6, dtype=torch.bool))  # a user mask: the math path

@@ -49,6 +49,29 @@ def test_hdf5_boxes_the_fast_path_does_not_cover_behave_like_read_direct(fmt, tm
     source.close()
 
 
+@pytest.mark.parametrize("fmt", ["hdf5", "hdf5-groups"])
+def test_hdf5_reads_of_one_box_object_follow_each_buffer_and_make_one_memory_type_per_dtype(fmt, tmp_path, monkeypatch):
+    """The reader recognises the box read last by identity and keeps one memory type per buffer dtype: reads that
+    alternate buffers of other dtypes and shapes, boxes equal but not identical, and samples, still return exactly
+    what read_direct returns, converted to the buffer's dtype."""
+    fields = grid_fields()
+    source = open_grid(fmt, write_grid(fmt, tmp_path))
+    made = []
+    create = h5py.h5t.py_create
+    monkeypatch.setattr(h5py.h5t, "py_create", lambda dtype, *a, **k: made.append(np.dtype(dtype)) or create(dtype, *a, **k))
+    same = (slice(3, 9), slice(5, 16))
+    reads = [(0, BOX, np.float32), (1, BOX, np.float64), (0, same, np.float32), (1, BOX, np.float64),
+             (0, BOX, np.float32), (1, (slice(0, 16), slice(0, 16)), np.float32), (0, BOX, np.float64)]  # fmt: skip
+    for index, box, dtype in reads:
+        out = np.full(tuple(s.stop - s.start for s in box), np.nan, dtype)
+        source.read(index, "pressure", box, out)
+        assert np.array_equal(out, fields["pressure"][index][box].astype(dtype)), (index, dtype)
+    # one per dataset (a group's sample is a dataset of its own) and dtype, not one per read
+    datasets = {(index if fmt == "hdf5-groups" else 0, np.dtype(dtype)) for index, _, dtype in reads}
+    assert len(made) == len(datasets) and set(made) == {np.dtype(np.float32), np.dtype(np.float64)}
+    source.close()
+
+
 def test_stacked_files_are_concatenated_and_dtype_converts_on_read(tmp_path):
     fields = grid_fields()
     write_hdf5(tmp_path / "a.h5", {k: v[:4] for k, v in fields.items()})

@@ -205,3 +205,71 @@ def test_batches_reuse_the_buffers_own_arrays_until_the_layout_changes():
         assert pool.hand_out(buf, smaller)["a"].shape == (2, 3)
     finally:
         pool.close()
+
+
+def _huge_kib(array: np.ndarray) -> int:
+    """KiB of ``array``'s memory on huge pages, summed over the mappings that hold it (``/proc/self/smaps``)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                current = tuple(int(x, 16) for x in fields[0].split("-"))
+            elif fields[0] == "AnonHugePages:":
+                start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+                total += int(fields[1]) if current[0] < end and start < current[1] else 0
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, /proc/self/smaps and MADV_COLLAPSE")
+def test_a_fork_splits_a_buffers_huge_pages_and_hugepages_restores_them():
+    """The kernel breaks a copy-on-write huge page at the parent's first write after a fork; restore() collapses
+    the mapping back (the measured cost of split pages: 0.62 -> 0.74 ms per 16 MiB copy, for the rest of a run)."""
+    import os
+    import time
+
+    from datapipes._buffers import HUGE_PAGE, HugePages, private_memory
+
+    memory = private_memory(8 * HUGE_PAGE)
+    pages = HugePages(memory)
+    memory[:] = 1
+    if _huge_kib(memory) == 0:
+        pytest.skip("no transparent huge pages on this system")
+    pages.restore()  # nothing forked: nothing to do
+    child = os.fork()
+    if child == 0:  # holds the pages shared until the parent wrote
+        time.sleep(1.0)
+        os._exit(0)
+    try:
+        memory[:] = 2  # the write that splits the shared huge pages
+        assert _huge_kib(memory) < 8 * HUGE_PAGE // 1024
+        pages.restore()
+        assert _huge_kib(memory) == 8 * HUGE_PAGE // 1024
+        assert (memory == 2).all()
+    finally:
+        os.waitpid(child, 0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_pool_restores_a_private_buffers_huge_pages_at_its_first_hand_out_after_a_fork(shared, monkeypatch):
+    """After the read that split them, before the user sees the batch; once per fork; never for shared memory."""
+    from datapipes import _buffers
+
+    collapsed = []
+    monkeypatch.setattr(_buffers, "_collapse", lambda array: collapsed.append(array.ctypes.data) or True)
+    pool = BufferPool(shared=shared, max_idle=2)
+    try:
+        specs, nbytes = layout_arrays({"u": ((4, _buffers.HUGE_PAGE // 4), np.float32)})
+        buf = pool.acquire(nbytes)
+        pool.hand_out(buf, specs)
+        assert collapsed == []  # no fork since the buffer was made
+        gc.collect()
+        _buffers._count_fork()  # what os.register_at_fork calls in the parent
+        buf = pool.acquire(nbytes)
+        pool.hand_out(buf, specs)
+        gc.collect()
+        buf = pool.acquire(nbytes)
+        pool.hand_out(buf, specs)
+        assert collapsed == ([] if shared else [buf.memory.ctypes.data])  # once per fork
+    finally:
+        pool.close()

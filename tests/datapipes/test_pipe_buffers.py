@@ -228,6 +228,7 @@ def test_a_fork_splits_a_buffers_huge_pages_and_hugepages_restores_them():
     import os
     import time
 
+    from datapipes import _buffers
     from datapipes._buffers import HUGE_PAGE, HugePages, private_memory
 
     memory = private_memory(8 * HUGE_PAGE)
@@ -244,7 +245,10 @@ def test_a_fork_splits_a_buffers_huge_pages_and_hugepages_restores_them():
         memory[:] = 2  # the write that splits the shared huge pages
         assert _huge_kib(memory) < 8 * HUGE_PAGE // 1024
         pages.restore()
-        assert _huge_kib(memory) == 8 * HUGE_PAGE // 1024
+        restored = _huge_kib(memory)
+        if restored < 8 * HUGE_PAGE // 1024 and not _buffers._collapse(memory):
+            pytest.skip("the kernel refuses MADV_COLLAPSE (Linux < 6.1): restore() can only leave the pages as they are")
+        assert restored == 8 * HUGE_PAGE // 1024
         assert (memory == 2).all()
     finally:
         os.waitpid(child, 0)

@@ -41,8 +41,7 @@ or any other) shares every private page with the child copy-on-write, and the
 kernel breaks a shared huge page at the parent's next write into 4 KiB pages,
 which stay so until ``khugepaged`` happens to collapse them back (its default
 pace: 4096 pages every 10 s). Measured here: a 16 MiB copy into a buffer went
-from 0.62 ms to 0.74 ms after a fork, for the rest of the run; which buffers
-had been hit decided a run's I/O figures. :class:`HugePages` collapses a
+from 0.62 ms to 0.74 ms after a fork, for the rest of the run. :class:`HugePages` collapses a
 mapping back (``MADV_COLLAPSE``, Linux 6.1 and later; a no-op elsewhere) the
 first time it is handed out after a fork, once it is written and the child
 keeps its own copy: one copy of the buffer per fork.

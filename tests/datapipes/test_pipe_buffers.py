@@ -83,18 +83,20 @@ def test_a_batch_that_outlives_its_pool_is_unmapped_quietly(monkeypatch):
     assert shm not in _buffers._unmapped and unraisable == []
 
 
-def _mappings() -> list[tuple[int, int, str, set[str]]]:
-    """``(start, end, name, VmFlags)`` of every mapping of this process (Linux)."""
+def _mappings() -> list[tuple[int, int, str, set[str], int]]:
+    """``(start, end, name, VmFlags, AnonHugePages in KiB)`` of every mapping of this process (Linux)."""
     out, current = [], None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if "-" in head[0] and not head[0].endswith(":"):
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
-                current = [lo, hi, head[5] if len(head) > 5 else "", set()]
+                current = [lo, hi, head[5] if len(head) > 5 else "", set(), 0]
                 out.append(current)
             elif head[0] == "VmFlags:":
                 current[3].update(head[1:])
+            elif head[0] == "AnonHugePages:":
+                current[4] = int(head[1])
     return [tuple(m) for m in out]
 
 
@@ -113,7 +115,7 @@ def test_large_private_buffers_get_a_mapping_of_their_own_advised_for_huge_pages
         buf = pool.acquire(nbytes)
         address = buf.memory.ctypes.data
         assert address % HUGE_PAGE == 0 and buf.memory.nbytes == nbytes
-        lo, hi, name, flags = _mapping_of(address)
+        lo, hi, name, flags, _ = _mapping_of(address)
         assert name != "[heap]" and hi >= address + nbytes
         assert "hg" in flags  # MADV_HUGEPAGE: huge pages where transparent huge pages are "madvise" or "always"
         arrays = pool.hand_out(buf, specs)
@@ -208,17 +210,9 @@ def test_batches_reuse_the_buffers_own_arrays_until_the_layout_changes():
 
 
 def _huge_kib(array: np.ndarray) -> int:
-    """KiB of ``array``'s memory on huge pages, summed over the mappings that hold it (``/proc/self/smaps``)."""
-    total, current = 0, None
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and ":" not in fields[0]:
-                current = tuple(int(x, 16) for x in fields[0].split("-"))
-            elif fields[0] == "AnonHugePages:":
-                start, end = array.ctypes.data, array.ctypes.data + array.nbytes
-                total += int(fields[1]) if current[0] < end and start < current[1] else 0
-    return total
+    """KiB of huge pages in the mappings that hold ``array`` (the kernel merges neighbouring ones)."""
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    return sum(m[4] for m in _mappings() if m[0] < end and start < m[1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, /proc/self/smaps and MADV_COLLAPSE")

@@ -18,7 +18,10 @@ of the output, so every rank's contribution is reduced as a real loss is),
   theirs), the ring between them runs eagerly.
 
 Each model runs four ways from the same weights: eager and compiled, on the
-plain global input (the single-device baseline) and on this rank's shard.
+plain global input (the single-device baseline) and on this rank's shard. At
+P = 1 the transformer block also runs compiled on a tensor subclass that does
+nothing (:mod:`._bare_subclass`): torch's own cost for any wrapper subclass at
+the regions' boundaries, the floor under ShardTensor's figure.
 Compilation happens in the two warm-up steps, which are timed apart (compile
 time, reported, never in a step's time). Steps are then timed interleaved
 (fastest of ``rounds``, see :mod:`._timing`) by the CPU clock of the whole
@@ -29,6 +32,8 @@ Figures (targets from issue 30):
 
 * P = 1: compiled ShardTensor step / compiled plain step <= 1.05 (and the
   same ratio eager, informative): what the library still costs once compiled;
+  for the transformer block also the do-nothing subclass's compiled step /
+  compiled plain step (informative: what torch costs any subclass there);
 * P >= 2: compiled step / eager step, CPU work of all ranks, <= 1.0;
 * graph breaks in a step (counted while it is compiled) and graphs compiled
   per step after warm-up (recompilations), both <= 0; the count is the
@@ -53,6 +58,7 @@ from torch import nn
 from physicsnemo_dp.debug import compile_counts
 
 from . import _models, graph
+from ._bare_subclass import Bare, BareAttention
 from ._record import Result, over_ranks
 from ._timing import fastest_by, repeated
 
@@ -110,6 +116,9 @@ class _Out(nn.Module):
 class Block(nn.Module):
     """A pre-norm transformer block; :meth:`compile_regions` compiles everything but the attention."""
 
+    #: the attention between the regions (an instance may set its own: :class:`._bare_subclass.BareAttention`)
+    attend = staticmethod(F.scaled_dot_product_attention)
+
     def __init__(self, dim: int, heads: int = 4):
         super().__init__()
         self.qkv, self.out = _QKV(dim, heads), _Out(dim)
@@ -124,7 +133,7 @@ class Block(nn.Module):
 
     def step_loss(self, x):
         """``_loss(self(x))``, with the loss in the last region (compiled with it by :meth:`compile_regions`)."""
-        return self.tail(x, F.scaled_dot_product_attention(*self.qkv(x)))
+        return self.tail(x, self.attend(*self.qkv(x)))
 
     def compile_regions(self, backend: str = "inductor") -> "Block":
         """Everything but the attention compiled, in two regions: before it, and after it with the loss.
@@ -143,7 +152,7 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
 
 
 def _cases(mesh, grid: int, width: int, tokens: int, dim: int, around: int, rings: int, layers: int) -> dict:
-    """name -> (build model, plain inputs, sharded inputs, regional): inputs are argument tuples."""
+    """name -> (build model, plain inputs, sharded inputs, regional, bare inputs or None): argument tuples."""
     _examples()
     device = _models.mesh_device(mesh)
 
@@ -164,10 +173,11 @@ def _cases(mesh, grid: int, width: int, tokens: int, dim: int, around: int, ring
     plain_x, sharded_x, _ = graph.inputs(mesh, around, rings)
     seq = _models.global_input((1, tokens, dim)).to(device)
     return {
-        "unet": (unet, *field(grid, grid), False),
-        "fno": (fno, *field(grid, grid), False),
-        "meshgraphnet": (lambda: graph.model(width, layers, device), plain_x, sharded_x, False),
-        "transformer block": (lambda: Block(dim), (seq,), (_models.shard(seq, mesh, 1),), True),
+        "unet": (unet, *field(grid, grid), False, None),
+        "fno": (fno, *field(grid, grid), False, None),
+        "meshgraphnet": (lambda: graph.model(width, layers, device), plain_x, sharded_x, False, None),
+        "transformer block": (lambda: Block(dim), (seq,), (_models.shard(seq, mesh, 1),), True,
+                              (Bare(seq.clone()),)),
     }
 
 
@@ -196,20 +206,27 @@ def run(mesh, grid: int, width: int, tokens: int, dim: int, around: int, rings: 
         ) -> list[Result]:  # fmt: skip
     P = mesh.size()
     results = []
-    for name, (build, plain, sharded, regional) in _cases(
+    for name, (build, plain, sharded, regional, bare) in _cases(
         mesh, grid, width, tokens, dim, around, rings, layers
     ).items():
         if name not in models:
             continue
         torch.compiler.reset()  # each model's graphs from scratch (the step function's code is shared)
         torch.manual_seed(0)
-        net = build().to(_models.mesh_device(mesh))
+        device = _models.mesh_device(mesh)
+        net = build().to(device)
         kinds = _STEPS if P == 1 else _STEPS[2:]  # at P > 1 the figures compare sharded steps with each other
+        if P == 1 and bare is not None and device.type == "cpu":  # BareAttention runs the CPU kernel
+            kinds += ("compiled bare",)
+        inputs = {"plain": plain, "sharded": sharded, "bare": bare}
         steps, compile_seconds, counts, failure = {}, {}, {}, None
         for kind in kinds:
             eager, on = kind.split()
-            args = plain if on == "plain" else sharded
-            step = _trainer(copy.deepcopy(net), backend if eager == "compiled" else None, regional)
+            args = inputs[on]
+            model = copy.deepcopy(net)
+            if on == "bare":
+                model.attend = BareAttention.apply
+            step = _trainer(model, backend if eager == "compiled" else None, regional)
             before, start = compile_counts(), time.perf_counter()
             try:
                 step(args)
@@ -236,6 +253,9 @@ def run(mesh, grid: int, width: int, tokens: int, dim: int, around: int, rings: 
                 Result(SUITE, f"{title}: eager ShardTensor step / eager plain step", P,
                        cpu["eager sharded"], cpu["eager plain"], "s"),
             ]  # fmt: skip
+            if "compiled bare" in cpu:
+                results.append(Result(SUITE, f"{title}: compiled step of a subclass that does nothing / compiled plain "
+                                      "step (torch's floor)", P, cpu["compiled bare"], cpu["compiled plain"], "s"))
         results += [
             Result(SUITE, f"{title}, CPU: compiled step / eager step, all ranks", P,
                    cpu["compiled sharded"], cpu["eager sharded"], "s", ("<=", 1.0) if P > 1 else None),

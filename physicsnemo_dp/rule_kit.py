@@ -64,7 +64,12 @@ def storage_tags(local: torch.Tensor) -> tuple:
     if not _CARRIED_STORAGE_TAGS:
         return ()
     storage = local.untyped_storage()
-    return tuple((n, v) for n in _CARRIED_STORAGE_TAGS if (v := getattr(storage, n, None)) is not None)
+    tags = ()
+    for name in _CARRIED_STORAGE_TAGS:  # a loop, not a generator: this runs for every tensor a compiled region sees
+        value = getattr(storage, name, None)
+        if value is not None:
+            tags += ((name, value),)
+    return tags
 
 
 def restore_storage_tags(local: torch.Tensor, tags: tuple) -> None:

@@ -375,7 +375,7 @@ def _same_shape_view(x):
     (``reshape`` to an unchanged shape is a view): no plan lookup.
     """
     local = x._local_tensor
-    return wrap(local.view(local.shape), x._spec)
+    return wrap(local.view_as(local), x._spec)  # view_as: ~0.7 us, view(local.shape) ~2.5 (its size argument's parsing)
 
 
 def _planned(func, args, kwargs):

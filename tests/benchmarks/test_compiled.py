@@ -30,6 +30,19 @@ def test_compiled_steps_break_no_graph_and_do_not_recompile(ctx):
     assert all(r.suite == "compiled" and r.world_size == 2 for r in results)
 
 
+@distributed(world_sizes=(1,), mesh_2d=False, timeout=300)
+def test_one_rank_reports_the_transformer_next_to_a_subclass_that_does_nothing(ctx):
+    torch.set_num_threads(1)
+    results = compiled.run(ctx.mesh, **{**compiled.sizes(True, 1.0), "models": ("transformer block",)})
+    cases = {r.case: r for r in results}
+    title = "transformer block, regional [aot_eager]"
+    ours = cases[f"{title}: compiled ShardTensor step / compiled plain step"]
+    floor = cases[f"{title}: compiled step of a subclass that does nothing / compiled plain step (torch's floor)"]
+    assert ours.target == ("<=", 1.05) and floor.target is None
+    assert all(math.isfinite(r.ratio) and r.ratio > 0 for r in (ours, floor))
+    assert cases[f"{title}: graph breaks in a compiled ShardTensor step"].value == 0
+
+
 def test_tiny_run_leaves_compiled_out_and_full_run_has_it():
     from benchmarks import run
 
